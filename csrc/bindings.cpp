@@ -1,0 +1,75 @@
+// Python bindings. Tensors cross as raw addresses (torch's data_ptr()): the extension never links libtorch,
+// so one build serves every torch version. kt_serve/kernel.py validates dtypes, shapes and contiguity first.
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <string>
+
+#include "kernels.h"
+#include "moe_lora.h"
+#include "thread_pool.h"
+
+namespace py = pybind11;
+using kt::bf16;
+
+namespace {
+template <typename T>
+T* ptr(uintptr_t a) {
+  return reinterpret_cast<T*>(a);
+}
+}  // namespace
+
+PYBIND11_MODULE(_kernel, m) {
+  m.doc() = "kt_serve CPU MoE-LoRA kernel (routed SwiGLU experts with per-expert LoRA, several adapters)";
+
+  py::class_<kt::MoELoRA>(m, "MoELoRA")
+      .def(py::init([](int E, int H, int I, uintptr_t gate, int64_t gate_es, uintptr_t up, int64_t up_es,
+                       uintptr_t down, int64_t down_es, int max_tokens, int max_slots, const std::string& isa) {
+             const kt::Kernels& k = kt::select_kernels(isa.c_str());
+             py::gil_scoped_release nogil;
+             return new kt::MoELoRA(E, H, I, ptr<const bf16>(gate), gate_es, ptr<const bf16>(up), up_es,
+                                    ptr<const bf16>(down), down_es, max_tokens, max_slots, k);
+           }),
+           py::arg("num_experts"), py::arg("hidden"), py::arg("intermediate"), py::arg("gate"), py::arg("gate_estride"),
+           py::arg("up"), py::arg("up_estride"), py::arg("down"), py::arg("down_estride"), py::arg("max_tokens"),
+           py::arg("max_slots"), py::arg("isa") = "auto")
+      .def_property_readonly("isa", &kt::MoELoRA::isa)
+      .def_property_readonly("num_experts", &kt::MoELoRA::num_experts)
+      .def_property_readonly("hidden", &kt::MoELoRA::hidden)
+      .def_property_readonly("intermediate", &kt::MoELoRA::intermediate)
+      .def_property_readonly("max_slots", &kt::MoELoRA::max_slots)
+      .def("set_adapter",
+           [](kt::MoELoRA& s, int slot, int rank, float alpha, uintptr_t ga, uintptr_t gb, uintptr_t ua, uintptr_t ub,
+              uintptr_t da, uintptr_t db) {
+             py::gil_scoped_release nogil;
+             s.set_adapter(slot, rank, alpha, ptr<const bf16>(ga), ptr<const bf16>(gb), ptr<const bf16>(ua),
+                           ptr<const bf16>(ub), ptr<const bf16>(da), ptr<const bf16>(db));
+           })
+      .def("remove_adapter", &kt::MoELoRA::remove_adapter)
+      .def("has_adapter", &kt::MoELoRA::has_adapter)
+      .def("set_grad_buffers",
+           [](kt::MoELoRA& s, int slot, uintptr_t ga, uintptr_t gb, uintptr_t ua, uintptr_t ub, uintptr_t da,
+              uintptr_t db) {
+             s.set_grad_buffers(slot, kt::GradBuffers{ptr<float>(ga), ptr<float>(gb), ptr<float>(ua), ptr<float>(ub),
+                                                      ptr<float>(da), ptr<float>(db)});
+           })
+      .def("forward",
+           [](kt::MoELoRA& s, int T, int k, uintptr_t x, uintptr_t ids, bool ids64, uintptr_t w, uintptr_t slots,
+              uintptr_t out, bool save) {
+             py::gil_scoped_release nogil;
+             s.forward(T, k, ptr<const bf16>(x), ptr<const void>(ids), ids64, ptr<const float>(w),
+                       ptr<const int32_t>(slots), ptr<bf16>(out), save);
+           })
+      .def("backward", [](kt::MoELoRA& s, uintptr_t grad_out, uintptr_t grad_x, uintptr_t grad_w) {
+        py::gil_scoped_release nogil;
+        s.backward(ptr<const bf16>(grad_out), ptr<bf16>(grad_x), ptr<float>(grad_w));
+      });
+
+  m.def("set_num_threads", &kt::set_num_threads, py::arg("n"),
+        "Size of the global worker pool (caller included); n < 1 means the default (physical cores).");
+  m.def("num_threads", [] { return kt::global_pool()->num_threads(); });
+  m.def("default_num_threads", &kt::default_num_threads);
+  m.def("cpu_isa", [] { return std::string(kt::select_kernels("auto").name); },
+        "The kernel table chosen for this CPU (honours KT_SERVE_ISA).");
+  m.def("has_avx512_bf16", &kt::cpu_has_avx512_bf16);
+}

@@ -1,0 +1,66 @@
+// Compute primitives of the MoE-LoRA kernel, one table per ISA, chosen once at run time (cpu_features.cpp).
+//
+// Packed base weight layout (shared by every ISA): a matrix W [N, K] in nn.Linear layout (y = x Wᵀ) is stored
+// as blocks of kBlockN = 64 output columns with K in pairs,
+//     block[b][kk][c][j] = W[b*64 + c][2*kk + j]        (zero where b*64+c >= N or 2*kk+j >= K)
+// i.e. the "VNNI" layout: one 64-byte row of a block holds 16 columns × 2 consecutive K values, exactly what
+// vdpbf16ps consumes, and also what an AMX B tile reads with a 256-byte stride.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+namespace kt {
+
+using bf16 = uint16_t;
+constexpr int kBlockN = 64;
+
+inline float bf16_to_f32(bf16 v) {
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline bf16 f32_to_bf16(float f) {  // round to nearest even, NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<bf16>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<bf16>(u >> 16);
+}
+
+struct Kernels {
+  const char* name;
+
+  // C[m][c] = Σ_k A[m][k] · W[c][k] for one packed block (64 columns), m < M. A: bf16 rows with stride lda,
+  // holding kp (= K rounded up to even) values, the padding zero. C: fp32, stride ldc, 64 columns written.
+  void (*gemm_block)(int M, const bf16* A, int64_t lda, const bf16* block, int kp, float* C, int64_t ldc);
+
+  // LoRA down-projection: T[m][j] = Σ_k X[m][k] · A[j][k], j < r. A fp32 [r, K].
+  void (*lora_a_bf16)(int M, const bf16* X, int64_t ldx, const float* A, int r, int K, float* T, int64_t ldt);
+  void (*lora_a_f32)(int M, const float* X, int64_t ldx, const float* A, int r, int K, float* T, int64_t ldt);
+
+  // LoRA up-projection added to an output tile: C[m][c] += s · Σ_j T[m][j] · BT[j][c], c < nc. BT fp32 rows
+  // with stride ldb (BT = Bᵀ, i.e. [r, N]).
+  void (*lora_b_add)(int M, const float* T, int64_t ldt, int r, const float* BT, int64_t ldb, int nc, float s,
+                     float* C, int64_t ldc);
+
+  // Rank-r gradient accumulation: G[j][k] += s · Σ_m Q[m][j] · X[m][k] for j < r, k < nk. G fp32 rows with
+  // stride ldg; Q fp32 [M, r] (stride ldq); X bf16 or fp32 rows (stride ldx). LoRA A gradients have this form
+  // directly, B gradients after a transpose (see moe_lora.cpp).
+  void (*outer_acc_bf16)(int M, const float* Q, int64_t ldq, int r, const bf16* X, int64_t ldx, int nk, float s,
+                         float* G, int64_t ldg);
+  void (*outer_acc_f32)(int M, const float* Q, int64_t ldq, int r, const float* X, int64_t ldx, int nk, float s,
+                        float* G, int64_t ldg);
+};
+
+const Kernels& kernels_portable();
+const Kernels* kernels_avx512_bf16();  // nullptr when this build has no AVX512-BF16 path
+
+// The table for this CPU: AVX512-BF16 when the CPU and OS support it, else the portable one.
+// KT_SERVE_ISA=portable forces the portable path (tests use it); names: "portable", "avx512_bf16".
+const Kernels& select_kernels(const char* requested /* nullptr or "auto" = best */);
+bool cpu_has_avx512_bf16();
+
+}  // namespace kt

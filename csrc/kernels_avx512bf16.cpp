@@ -1,0 +1,102 @@
+// AVX512-BF16 table (Cooper Lake, Sapphire Rapids and later, Zen 4 and later). Built with
+// -mavx512f -mavx512bw -mavx512vl -mavx512bf16; only called after cpu_has_avx512_bf16() said yes.
+// Hand-written: the packed GEMM block (vdpbf16ps) and the LoRA dot products; the rest is the generic code
+// vectorised by the compiler for this ISA.
+#include <immintrin.h>
+
+#include "kernels_generic.inc"
+
+namespace {
+
+using kt::bf16;
+using kt::kBlockN;
+
+// MR rows × 64 columns: MR×4 zmm accumulators; per K pair, 4 block loads shared by MR broadcasts of A.
+template <int MR>
+inline void gemm_micro(const bf16* A, int64_t lda, const bf16* block, int kp, float* C, int64_t ldc) {
+  __m512 acc[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_setzero_ps();
+  const int kk_n = kp / 2;
+  const bf16* b = block;
+  for (int kk = 0; kk < kk_n; ++kk, b += kBlockN * 2) {
+    _mm_prefetch(reinterpret_cast<const char*>(b + 16 * kBlockN * 2), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(b + 16 * kBlockN * 2 + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(b + 16 * kBlockN * 2 + 128), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(b + 16 * kBlockN * 2 + 192), _MM_HINT_T0);
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + 32);
+    const __m512bh b2 = (__m512bh)_mm512_loadu_si512(b + 64);
+    const __m512bh b3 = (__m512bh)_mm512_loadu_si512(b + 96);
+    for (int m = 0; m < MR; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, A + m * lda + 2 * kk, 4);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], a, b0);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], a, b1);
+      acc[m][2] = _mm512_dpbf16_ps(acc[m][2], a, b2);
+      acc[m][3] = _mm512_dpbf16_ps(acc[m][3], a, b3);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(C + m * ldc + 16 * v, acc[m][v]);
+}
+
+void gemm_block_avx512(int M, const bf16* A, int64_t lda, const bf16* block, int kp, float* C, int64_t ldc) {
+  constexpr int MR = 6;  // 24 accumulators + 4 block registers + 1 broadcast fit the 32 zmm registers
+  int m = 0;
+  for (; m + MR <= M; m += MR) gemm_micro<MR>(A + m * lda, lda, block, kp, C + m * ldc, ldc);
+  switch (M - m) {
+    case 5: gemm_micro<5>(A + m * lda, lda, block, kp, C + m * ldc, ldc); break;
+    case 4: gemm_micro<4>(A + m * lda, lda, block, kp, C + m * ldc, ldc); break;
+    case 3: gemm_micro<3>(A + m * lda, lda, block, kp, C + m * ldc, ldc); break;
+    case 2: gemm_micro<2>(A + m * lda, lda, block, kp, C + m * ldc, ldc); break;
+    case 1: gemm_micro<1>(A + m * lda, lda, block, kp, C + m * ldc, ldc); break;
+    default: break;
+  }
+}
+
+inline __m512 load16(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
+inline __m512 load16(const bf16* p, __mmask16 k) {
+  const __m256i v = _mm256_maskz_loadu_epi16(k, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// T[m][j] = Σ_k X[m][k] A[j][k]: four A rows at a time share each load of X.
+template <typename TX>
+void lora_a_avx512(int M, const TX* X, int64_t ldx, const float* A, int r, int K, float* T, int64_t ldt) {
+  for (int m = 0; m < M; ++m) {
+    const TX* x = X + m * ldx;
+    int j = 0;
+    for (; j < r; j += 4) {
+      const int nj = r - j < 4 ? r - j : 4;
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int k = 0; k < K; k += 16) {
+        const __mmask16 mask = K - k >= 16 ? __mmask16(0xffff) : __mmask16((1u << (K - k)) - 1);
+        const __m512 xv = load16(x + k, mask);
+        for (int q = 0; q < nj; ++q)
+          acc[q] = _mm512_fmadd_ps(xv, _mm512_maskz_loadu_ps(mask, A + static_cast<int64_t>(j + q) * K + k), acc[q]);
+      }
+      for (int q = 0; q < nj; ++q) T[m * ldt + j + q] = _mm512_reduce_add_ps(acc[q]);
+    }
+  }
+}
+
+void lora_a_bf16_avx512(int M, const bf16* X, int64_t ldx, const float* A, int r, int K, float* T, int64_t ldt) {
+  lora_a_avx512<bf16>(M, X, ldx, A, r, K, T, ldt);
+}
+void lora_a_f32_avx512(int M, const float* X, int64_t ldx, const float* A, int r, int K, float* T, int64_t ldt) {
+  lora_a_avx512<float>(M, X, ldx, A, r, K, T, ldt);
+}
+
+}  // namespace
+
+namespace kt {
+
+const Kernels* kernels_avx512_bf16() {
+  static const Kernels k{"avx512_bf16",      gemm_block_avx512,      lora_a_bf16_avx512,   lora_a_f32_avx512,
+                         lora_b_add_generic, outer_acc_bf16_generic, outer_acc_f32_generic};
+  return &k;
+}
+
+}  // namespace kt

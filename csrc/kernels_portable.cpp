@@ -1,0 +1,12 @@
+// The portable table: plain C++ built for the baseline ISA. Runs anywhere; the reference for the others.
+#include "kernels_generic.inc"
+
+namespace kt {
+
+const Kernels& kernels_portable() {
+  static const Kernels k{"portable",         gemm_block_generic,  lora_a_bf16_generic, lora_a_f32_generic,
+                         lora_b_add_generic, outer_acc_bf16_generic, outer_acc_f32_generic};
+  return k;
+}
+
+}  // namespace kt
