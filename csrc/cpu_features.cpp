@@ -8,6 +8,8 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace kt {
@@ -29,6 +31,25 @@ bool cpu_has_avx512_bf16() {
 #endif
 }
 
+bool cpu_has_amx_bf16() {
+#if defined(__x86_64__) && defined(SYS_arch_prctl)
+  static const bool ok = [] {
+    if (!cpu_has_avx512_bf16()) return false;
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!(d & (1u << 22)) || !(d & (1u << 24))) return false;  // AMX-BF16, AMX-TILE
+    unsigned xcr0_lo, xcr0_hi;
+    __asm__ volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+    if ((xcr0_lo & (3u << 17)) != (3u << 17)) return false;  // OS manages XTILECFG/XTILEDATA
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;  // Linux >= 5.16: ask before the first tile use
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
 const Kernels& select_kernels(const char* requested) {
   std::string want = requested && *requested ? requested : "auto";
   if (want == "auto") {
@@ -36,19 +57,24 @@ const Kernels& select_kernels(const char* requested) {
     if (env && *env) want = env;
   }
   if (want == "portable") return kernels_portable();
-  const Kernels* fast = cpu_has_avx512_bf16() ? kernels_avx512_bf16() : nullptr;
-  if (want == "auto") return fast ? *fast : kernels_portable();
-  if (want == "avx512_bf16") {
-    if (!fast) throw std::invalid_argument("isa 'avx512_bf16' requested but this CPU/OS lacks AVX512-BF16");
-    return *fast;
+  const Kernels* avx512 = cpu_has_avx512_bf16() ? kernels_avx512_bf16() : nullptr;
+  const Kernels* amx = avx512 && kernels_amx_bf16() && cpu_has_amx_bf16() ? kernels_amx_bf16() : nullptr;
+  if (want == "auto") return amx ? *amx : avx512 ? *avx512 : kernels_portable();
+  if (want == "avx512_bf16" || want == "amx_bf16") {
+    const Kernels* k = want == "amx_bf16" ? amx : avx512;
+    if (!k) throw std::invalid_argument("isa '" + want + "' requested but this CPU/OS/build lacks it");
+    return *k;
   }
-  throw std::invalid_argument("unknown isa '" + want + "' (expected auto, portable or avx512_bf16)");
+  throw std::invalid_argument("unknown isa '" + want + "' (expected auto, portable, avx512_bf16 or amx_bf16)");
 }
 
 }  // namespace kt
 
-#ifndef KT_HAVE_AVX512_BF16
 namespace kt {
-const Kernels* kernels_avx512_bf16() { return nullptr; }  // not built for this architecture
-}  // namespace kt
+#ifndef KT_HAVE_AVX512_BF16
+const Kernels* kernels_avx512_bf16() { return nullptr; }  // not built for this architecture/compiler
 #endif
+#ifndef KT_HAVE_AMX_BF16
+const Kernels* kernels_amx_bf16() { return nullptr; }
+#endif
+}  // namespace kt

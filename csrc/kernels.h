@@ -34,7 +34,7 @@ struct Kernels {
   const char* name;
 
   // C[m][c] = Σ_k A[m][k] · W[c][k] for one packed block (64 columns), m < M. A: bf16 rows with stride lda,
-  // holding kp (= K rounded up to even) values, the padding zero. C: fp32, stride ldc, 64 columns written.
+  // holding kp (= K rounded up to 32, see PackedWeights) values, the padding zero. C: fp32, stride ldc, 64 columns written.
   void (*gemm_block)(int M, const bf16* A, int64_t lda, const bf16* block, int kp, float* C, int64_t ldc);
 
   // LoRA down-projection: T[m][j] = Σ_k X[m][k] · A[j][k], j < r. A fp32 [r, K].
@@ -53,14 +53,22 @@ struct Kernels {
                          float* G, int64_t ldg);
   void (*outer_acc_f32)(int M, const float* Q, int64_t ldq, int r, const float* X, int64_t ldx, int nk, float s,
                         float* G, int64_t ldg);
+
+  // SwiGLU: h[c] = bf16(silu(g[c]) · u[c]), c < n.
+  void (*swiglu)(int n, const float* g, const float* u, bf16* h);
+  // Its backward for one row, in place: with dh = w · q, g ← dg = dh · u · silu'(g), u ← du = dh · silu(g); also
+  // writes bf16 copies of dg and du. Returns Σ q[c] · h[c] (this row's share of the routing-weight gradient).
+  float (*swiglu_backward)(int n, float w, const float* q, const bf16* h, float* g, float* u, bf16* dg16, bf16* du16);
 };
 
 const Kernels& kernels_portable();
 const Kernels* kernels_avx512_bf16();  // nullptr when this build has no AVX512-BF16 path
+const Kernels* kernels_amx_bf16();     // nullptr when this build has no AMX path
 
-// The table for this CPU: AVX512-BF16 when the CPU and OS support it, else the portable one.
-// KT_SERVE_ISA=portable forces the portable path (tests use it); names: "portable", "avx512_bf16".
+// The table for this CPU: AMX-BF16, else AVX512-BF16, when the CPU and OS support them, else the portable one.
+// KT_SERVE_ISA (or the isa argument) names one: "portable", "avx512_bf16", "amx_bf16".
 const Kernels& select_kernels(const char* requested /* nullptr or "auto" = best */);
 bool cpu_has_avx512_bf16();
+bool cpu_has_amx_bf16();  // also obtains the Linux permission to use tile data
 
 }  // namespace kt

@@ -50,7 +50,7 @@ template class Buffer<float>;
 
 void PackedWeights::init(int E_, int N_, int K_) {
   E = E_, N = N_, K = K_;
-  kp = static_cast<int>(round_up(K, 2));
+  kp = static_cast<int>(round_up(K, 32));  // K steps of 32: one AMX tile row; input rows are padded to match
   nblocks = ceil_div(N, kBlockN);
   block_elems = static_cast<size_t>(kp) * kBlockN;
   data.get(static_cast<size_t>(E) * nblocks * block_elems);
@@ -178,8 +178,6 @@ void for_segments(const MoELoRA::Route& rt, int e, int r0, int r1, F&& fn) {
     fn(s, std::max(s.begin, r0), std::min(s.end, r1));
   }
 }
-
-inline float sigmoid(float g) { return 1.f / (1.f + std::exp(-g)); }
 
 thread_local float tl_tile[2][kRowBlock * kBlockN];
 
@@ -376,8 +374,7 @@ void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, 
       const int p = t.r0 + m;
       const float* g = Cg + m * kBlockN;
       const float* u = Cu + m * kBlockN;
-      bf16* h = Hb + p * ldh + c0;
-      for (int c = 0; c < nc; ++c) h[c] = f32_to_bf16(g[c] * sigmoid(g[c]) * u[c]);
+      k_.swiglu(nc, g, u, Hb + p * ldh + c0);
       if (save) {
         std::memcpy(G + static_cast<int64_t>(p) * I + c0, g, sizeof(float) * nc);
         std::memcpy(U + static_cast<int64_t>(p) * I + c0, u, sizeof(float) * nc);
@@ -513,24 +510,10 @@ void MoELoRA::backward(const bf16* grad_out, bf16* grad_x, float* grad_w) {
     });
     for (int m = 0; m < M; ++m) {
       const int p = t.r0 + m;
-      const float* q = Q + m * kBlockN;
-      const bf16* h = Hb + p * ldh + c0;
-      float dot = 0.f;
-      for (int c = 0; c < nc; ++c) dot += q[c] * bf16_to_f32(h[c]);
-      gw[static_cast<int64_t>(p) * nbI + t.cb] = dot;
-      const float w = pair_w(p);
-      float* g = G + static_cast<int64_t>(p) * I + c0;
-      float* u = U + static_cast<int64_t>(p) * I + c0;
-      bf16* dg16 = dgu + p * ldgu + c0;
-      bf16* du16 = dgu + p * ldgu + kpI + c0;
-      for (int c = 0; c < nc; ++c) {
-        const float dh = w * q[c], sg = sigmoid(g[c]), silu = g[c] * sg;
-        const float du = dh * silu, dg = dh * u[c] * sg * (1.f + g[c] * (1.f - sg));
-        g[c] = dg;
-        u[c] = du;
-        dg16[c] = f32_to_bf16(dg);
-        du16[c] = f32_to_bf16(du);
-      }
+      const int64_t gu = static_cast<int64_t>(p) * I + c0;
+      gw[static_cast<int64_t>(p) * nbI + t.cb] =
+          k_.swiglu_backward(nc, pair_w(p), Q + m * kBlockN, Hb + p * ldh + c0, G + gu, U + gu, dgu + p * ldgu + c0,
+                             dgu + p * ldgu + kpI + c0);
     }
   });
 

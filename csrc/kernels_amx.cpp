@@ -1,0 +1,138 @@
+// AMX-BF16 table (Sapphire Rapids and later). Built with -mamx-tile -mamx-bf16 plus the AVX512 flags; only
+// called after cpu_has_amx_bf16() said yes (which also asked the kernel for the tile-data permission).
+// Only the packed GEMM block uses tiles, and only for M >= kAmxMinRows: a block row of kernels.h's layout
+// is 16 columns × 2 K values (64 bytes), so an AMX B tile is 16 consecutive K pairs read with a 256-byte
+// stride, straight from the packed weights. Everything else is the AVX512-BF16 table.
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "kernels.h"
+
+namespace {
+
+using kt::bf16;
+using kt::kBlockN;
+
+constexpr int kAmxMinRows = 8;  // below this the AVX512 kernel (memory-bound anyway) is as fast
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles: 0-3 accumulators, 4-5 A (rows of the input), 6-7 B (packed weights).
+// Shape "2x2": rows a0 / a1 of two A tiles × 2 column tiles (32 columns) per pass.
+// Shape "1x4": one A tile of a0 rows × 4 column tiles (64 columns).
+// Loaded on every use: other code on the same thread (oneDNN inside torch) may have changed the tile state.
+void configure(int a0, int a1) {
+  TileConfig c;
+  const int b0 = a1 ? a1 : a0;  // rows of the second A tile and its accumulators (1x4: all a0)
+  const int acc_rows[4] = {a0, a0, b0, b0};
+  for (int t = 0; t < 4; ++t) c.rows[t] = static_cast<uint8_t>(acc_rows[t]), c.colsb[t] = 64;
+  c.rows[4] = static_cast<uint8_t>(a0), c.colsb[4] = 64;
+  c.rows[5] = static_cast<uint8_t>(b0), c.colsb[5] = 64;
+  for (int t = 6; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+  _tile_loadconfig(&c);
+}
+
+// 32 (a0 + a1) rows × 32 columns starting at column tile ct (0 or 2) of the block.
+inline void tile_2x2(const bf16* A, int64_t lda, const bf16* block, int kp, int ct, float* C, int64_t ldc) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t sa = lda * 2;
+  for (int k0 = 0; k0 < kp; k0 += 32) {
+    const bf16* b = block + (static_cast<int64_t>(k0 / 2) * kBlockN + 16 * ct) * 2;
+    _tile_loadd(4, A + k0, sa);
+    _tile_loadd(5, A + 16 * lda + k0, sa);
+    _tile_loadd(6, b, kBlockN * 4);
+    _tile_loadd(7, b + 32, kBlockN * 4);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  const int64_t sc = ldc * 4;
+  _tile_stored(0, C + 16 * ct, sc);
+  _tile_stored(1, C + 16 * (ct + 1), sc);
+  _tile_stored(2, C + 16 * ldc + 16 * ct, sc);
+  _tile_stored(3, C + 16 * ldc + 16 * (ct + 1), sc);
+}
+
+// up to 16 rows × 64 columns.
+inline void tile_1x4(const bf16* A, int64_t lda, const bf16* block, int kp, float* C, int64_t ldc) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t sa = lda * 2;
+  for (int k0 = 0; k0 < kp; k0 += 32) {
+    const bf16* b = block + static_cast<int64_t>(k0 / 2) * kBlockN * 2;
+    _tile_loadd(4, A + k0, sa);
+    _tile_loadd(6, b, kBlockN * 4);
+    _tile_loadd(7, b + 32, kBlockN * 4);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(6, b + 64, kBlockN * 4);
+    _tile_loadd(7, b + 96, kBlockN * 4);
+    _tile_dpbf16ps(2, 4, 6);
+    _tile_dpbf16ps(3, 4, 7);
+  }
+  const int64_t sc = ldc * 4;
+  for (int t = 0; t < 4; ++t) {
+    switch (t) {
+      case 0: _tile_stored(0, C, sc); break;
+      case 1: _tile_stored(1, C + 16, sc); break;
+      case 2: _tile_stored(2, C + 32, sc); break;
+      case 3: _tile_stored(3, C + 48, sc); break;
+    }
+  }
+}
+
+const kt::Kernels* g_avx512 = nullptr;
+
+// Requires kp % 32 == 0 (PackedWeights pads K to 32) and A rows readable up to kp.
+void gemm_block_amx(int M, const bf16* A, int64_t lda, const bf16* block, int kp, float* C, int64_t ldc) {
+  if (M < kAmxMinRows || kp % 32 != 0) return g_avx512->gemm_block(M, A, lda, block, kp, C, ldc);
+  int m = 0;
+  for (; M - m >= 32; m += 32) {
+    configure(16, 16);
+    tile_2x2(A + m * lda, lda, block, kp, 0, C + m * ldc, ldc);
+    tile_2x2(A + m * lda, lda, block, kp, 2, C + m * ldc, ldc);
+  }
+  if (M - m > 16) {
+    const int a1 = M - m - 16;
+    configure(16, a1);
+    tile_2x2(A + m * lda, lda, block, kp, 0, C + m * ldc, ldc);
+    tile_2x2(A + m * lda, lda, block, kp, 2, C + m * ldc, ldc);
+  } else if (M - m >= kAmxMinRows) {
+    configure(M - m, 0);
+    tile_1x4(A + m * lda, lda, block, kp, C + m * ldc, ldc);
+  } else if (M - m > 0) {
+    g_avx512->gemm_block(M - m, A + m * lda, lda, block, kp, C + m * ldc, ldc);
+  }
+  _tile_release();  // no tile state left for context switches to save
+}
+
+}  // namespace
+
+namespace kt {
+
+const Kernels* kernels_amx_bf16() {
+  static const Kernels k = [] {
+    g_avx512 = kernels_avx512_bf16();
+    Kernels t = *g_avx512;
+    t.name = "amx_bf16";
+    t.gemm_block = gemm_block_amx;
+    return t;
+  }();
+  return &k;
+}
+
+}  // namespace kt
