@@ -1,0 +1,318 @@
+"""Supervised fine-tuning data: LLaMA-Factory ``dataset_info.json`` datasets (alpaca, sharegpt) to token ids.
+
+Every example becomes a list of chat messages, is rendered by a chat template into (text, is_response) segments,
+and is tokenised segment by segment so that the loss mask is exact: labels are -100 everywhere except on
+assistant turns (their end-of-turn marker included, so that the model learns to stop).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+DATASET_INFO = "dataset_info.json"
+
+
+class DataError(ValueError):
+    """Bad dataset file, dataset_info entry or template; the message names the file and the field."""
+
+
+# ---------------------------------------------------------------------------------------------------- datasets
+
+@dataclass
+class DatasetSpec:
+    """One ``dataset_info.json`` entry, with LLaMA-Factory's defaults for columns and sharegpt tags."""
+
+    name: str
+    file: Path
+    formatting: str = "alpaca"
+    columns: dict = field(default_factory=dict)
+    tags: dict = field(default_factory=dict)
+
+    ALPACA_COLUMNS = {"prompt": "instruction", "query": "input", "response": "output", "system": None, "history": None}
+    SHAREGPT_COLUMNS = {"messages": "conversations", "system": None}
+    SHAREGPT_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
+                     "system_tag": "system", "observation_tag": "observation", "function_tag": "function_call"}
+    SUPPORTED_KEYS = {"file_name", "formatting", "columns", "tags"}
+
+    @classmethod
+    def from_info(cls, name: str, entry: dict, dataset_dir: Path) -> "DatasetSpec":
+        where = f"{dataset_dir / DATASET_INFO}: dataset {name!r}"
+        unsupported = sorted(set(entry) - cls.SUPPORTED_KEYS)
+        if unsupported:
+            raise DataError(f"{where}: unsupported key(s) {', '.join(unsupported)} (only local files: "
+                            f"{', '.join(sorted(cls.SUPPORTED_KEYS))})")
+        if "file_name" not in entry:
+            raise DataError(f"{where}: 'file_name' is required")
+        formatting = entry.get("formatting", "alpaca")
+        defaults = {"alpaca": cls.ALPACA_COLUMNS, "sharegpt": cls.SHAREGPT_COLUMNS}.get(formatting)
+        if defaults is None:
+            raise DataError(f"{where}: formatting must be 'alpaca' or 'sharegpt', got {formatting!r}")
+        columns = {**defaults, **entry.get("columns", {})}
+        unknown = sorted(set(columns) - set(defaults))
+        if unknown:
+            raise DataError(f"{where}: unknown column(s) {', '.join(unknown)} for {formatting}")
+        tags = {**cls.SHAREGPT_TAGS, **entry.get("tags", {})} if formatting == "sharegpt" else {}
+        file = dataset_dir / entry["file_name"]
+        if not file.is_file():
+            raise DataError(f"{where}: file {file} does not exist")
+        return cls(name, file, formatting, columns, tags)
+
+    def read_records(self) -> list[dict]:
+        try:
+            text = self.file.read_text(encoding="utf-8")
+            if self.file.suffix == ".jsonl":
+                records = [json.loads(line) for line in text.splitlines() if line.strip()]
+            else:
+                records = json.loads(text)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise DataError(f"{self.file}: cannot read JSON ({exc})") from None
+        if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+            raise DataError(f"{self.file}: expected a list of JSON objects")
+        return records
+
+    def to_messages(self, record: dict, index: int) -> list[dict]:
+        where = f"{self.file}: record {index}"
+        convert = self._alpaca if self.formatting == "alpaca" else self._sharegpt
+        messages = convert(record, where)
+        roles = [m["role"] for m in messages if m["role"] != "system"]
+        if not roles or roles[-1] != "assistant" or any(
+            role != ("user" if i % 2 == 0 else "assistant") for i, role in enumerate(roles)
+        ):
+            raise DataError(f"{where}: expected alternating user/assistant turns ending with the assistant, got {roles}")
+        return messages
+
+    def _alpaca(self, record: dict, where: str) -> list[dict]:
+        col = self.columns
+        prompt, response = record.get(col["prompt"]), record.get(col["response"])
+        if not isinstance(prompt, str) or not isinstance(response, str):
+            raise DataError(f"{where}: columns {col['prompt']!r} and {col['response']!r} must be strings")
+        query = record.get(col["query"]) or ""
+        messages = []
+        if col["system"] and record.get(col["system"]):
+            messages.append({"role": "system", "content": record[col["system"]]})
+        for turn in (record.get(col["history"]) or []) if col["history"] else []:
+            if not (isinstance(turn, list) and len(turn) == 2):
+                raise DataError(f"{where}: history entries must be [prompt, response] pairs")
+            messages += [{"role": "user", "content": turn[0]}, {"role": "assistant", "content": turn[1]}]
+        messages.append({"role": "user", "content": prompt + ("\n" + query if query else "")})
+        messages.append({"role": "assistant", "content": response})
+        return messages
+
+    def _sharegpt(self, record: dict, where: str) -> list[dict]:
+        col, tags = self.columns, self.tags
+        turns = record.get(col["messages"])
+        if not isinstance(turns, list) or not turns:
+            raise DataError(f"{where}: column {col['messages']!r} must be a non-empty list")
+        role_of = {tags["user_tag"]: "user", tags["assistant_tag"]: "assistant", tags["system_tag"]: "system"}
+        messages = []
+        if col["system"] and record.get(col["system"]):
+            messages.append({"role": "system", "content": record[col["system"]]})
+        for turn in turns:
+            role = role_of.get(turn.get(tags["role_tag"])) if isinstance(turn, dict) else None
+            content = turn.get(tags["content_tag"]) if isinstance(turn, dict) else None
+            if role is None or not isinstance(content, str):
+                raise DataError(f"{where}: each turn needs {tags['role_tag']!r} in {sorted(role_of)} and a string "
+                                f"{tags['content_tag']!r} (tool turns are not supported)")
+            if role == "system" and messages:
+                raise DataError(f"{where}: a system turn may only come first")
+            messages.append({"role": role, "content": content})
+        return messages
+
+
+def load_dataset_specs(dataset_dir: str | Path, names: list[str]) -> list[DatasetSpec]:
+    dataset_dir = Path(dataset_dir)
+    info_path = dataset_dir / DATASET_INFO
+    try:
+        info = json.loads(info_path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DataError(f"{info_path}: cannot read ({exc})") from None
+    missing = [n for n in names if n not in info]
+    if missing:
+        raise DataError(f"{info_path}: no dataset named {', '.join(missing)} (have: {', '.join(sorted(info))})")
+    return [DatasetSpec.from_info(n, info[n], dataset_dir) for n in names]
+
+
+# ---------------------------------------------------------------------------------------------------- templates
+
+class TokenizerTemplate:
+    """The tokenizer's own ``chat_template``, the same one a server applies to chat requests.
+
+    Each assistant turn is located as the text that rendering ``messages[:i+1]`` adds to rendering
+    ``messages[:i]`` with the generation prompt; templates that rewrite earlier turns are refused.
+    """
+
+    name = "tokenizer"
+
+    def __init__(self, tokenizer):
+        if not getattr(tokenizer, "chat_template", None):
+            raise DataError("template: the tokenizer has no chat_template; set `template:` to a named template")
+        self.tokenizer = tokenizer
+
+    def _render(self, messages, add_generation_prompt):
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def segments(self, messages: list[dict]) -> list[tuple[str, bool]]:
+        segments, done = [], ""
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prompt = self._render(messages[:i], add_generation_prompt=True)
+            full = self._render(messages[: i + 1], add_generation_prompt=False)
+            if not (prompt.startswith(done) and full.startswith(prompt)):
+                raise DataError("template: the tokenizer's chat_template is not prefix-stable (it rewrites earlier "
+                                "turns); set `template:` to a named template")
+            segments += [(prompt[len(done):], False), (full[len(prompt):], True)]
+            done = full
+        return segments
+
+
+@dataclass(frozen=True)
+class FormatTemplate:
+    """A fixed-string chat format (LLaMA-Factory style). ``{content}`` is replaced by the turn's text."""
+
+    name: str
+    prefix: str
+    system: str
+    user: str
+    assistant: str
+
+    def segments(self, messages: list[dict]) -> list[tuple[str, bool]]:
+        segments, pending = [], self.prefix
+        for message in messages:
+            role, content = message["role"], message["content"]
+            if role == "assistant":
+                segments += [(pending, False), (self.assistant.format(content=content), True)]
+                pending = ""
+            else:
+                pending += (self.system if role == "system" else self.user).format(content=content)
+        return segments
+
+
+NAMED_TEMPLATES = {
+    t.name: t
+    for t in (
+        FormatTemplate("chatml", "", "<|im_start|>system\n{content}<|im_end|>\n",
+                       "<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n", "{content}<|im_end|>\n"),
+        FormatTemplate("deepseek3", "<｜begin▁of▁sentence｜>", "{content}", "<｜User｜>{content}<｜Assistant｜>",
+                       "{content}<｜end▁of▁sentence｜>"),
+    )
+}
+
+
+def get_template(name: str, tokenizer):
+    if name == TokenizerTemplate.name:
+        return TokenizerTemplate(tokenizer)
+    if name not in NAMED_TEMPLATES:
+        raise DataError(f"template: unknown template {name!r}; expected tokenizer or one of {', '.join(NAMED_TEMPLATES)}")
+    return NAMED_TEMPLATES[name]
+
+
+# ---------------------------------------------------------------------------------------------------- tokenising
+
+@dataclass
+class Example:
+    input_ids: list[int]
+    labels: list[int]
+
+
+def encode_example(messages: list[dict], template, tokenizer, cutoff_len: int) -> Example:
+    """Token ids with response-only labels, cut to ``cutoff_len`` tokens."""
+    input_ids, labels = [], []
+    for text, is_response in template.segments(messages):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        input_ids += ids
+        labels += ids if is_response else [IGNORE_INDEX] * len(ids)
+    return Example(input_ids[:cutoff_len], labels[:cutoff_len])
+
+
+class SFTDataset:
+    """Tokenised examples plus the deterministic batch order the trainer and resume rely on."""
+
+    def __init__(self, examples: list[Example], pad_token_id: int):
+        if not examples:
+            raise DataError("dataset: no example has a response token within cutoff_len")
+        self.examples = examples
+        self.pad_token_id = pad_token_id
+
+    def __len__(self):
+        return len(self.examples)
+
+    @classmethod
+    def build(cls, cfg, tokenizer) -> "SFTDataset":
+        template = get_template(cfg.template, tokenizer)
+        examples, dropped = [], 0
+        for spec in load_dataset_specs(cfg.dataset_dir, cfg.dataset_names):
+            records = spec.read_records()[: cfg.max_samples]
+            for i, record in enumerate(records):
+                example = encode_example(spec.to_messages(record, i), template, tokenizer, cfg.cutoff_len)
+                if any(label != IGNORE_INDEX for label in example.labels[1:]):
+                    examples.append(example)
+                else:
+                    dropped += 1
+        if dropped:
+            logger.warning("dropped %d example(s) with no response token within cutoff_len=%d", dropped, cfg.cutoff_len)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        return cls(examples, pad)
+
+    def collate(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        """Right-padded batch: input_ids, attention_mask and labels (-100 on padding)."""
+        batch = [self.examples[i] for i in indices]
+        width = max(len(e.input_ids) for e in batch)
+        input_ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)
+        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, e in enumerate(batch):
+            n = len(e.input_ids)
+            input_ids[row, :n] = torch.tensor(e.input_ids)
+            labels[row, :n] = torch.tensor(e.labels)
+            attention_mask[row, :n] = 1
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Which examples each optimizer step sees: epoch e shuffles with ``randperm(seed + e)``, cuts micro-batches of
+    ``batch_size``, and groups ``accumulation`` of them per step (the last group of an epoch may be shorter).
+    Being a pure function of the step number is what lets a resumed run see exactly the batches it would have seen."""
+
+    num_examples: int
+    batch_size: int
+    accumulation: int
+    seed: int
+
+    @property
+    def micro_batches_per_epoch(self) -> int:
+        return math.ceil(self.num_examples / self.batch_size)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(self.micro_batches_per_epoch / self.accumulation)
+
+    def total_steps(self, num_train_epochs: float, max_steps: int) -> int:
+        return max_steps if max_steps > 0 else max(1, math.ceil(num_train_epochs * self.steps_per_epoch))
+
+    def epoch_groups(self, epoch: int) -> list[list[list[int]]]:
+        order = torch.randperm(self.num_examples, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+        micro = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        return [micro[i : i + self.accumulation] for i in range(0, len(micro), self.accumulation)]
+
+    def steps(self, start_step: int = 0) -> Iterator[tuple[int, float, list[list[int]]]]:
+        """Yields (step, epoch as a float, micro-batch index lists) forever from ``start_step``."""
+        epoch, offset = divmod(start_step, self.steps_per_epoch)
+        step = start_step
+        while True:
+            groups = self.epoch_groups(epoch)
+            for i in range(offset, len(groups)):
+                yield step, epoch + (i + 1) / len(groups), groups[i]
+                step += 1
+            epoch, offset = epoch + 1, 0

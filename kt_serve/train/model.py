@@ -1,0 +1,249 @@
+"""Model surgery: a HF MoE causal LM whose routed experts run in the CPU kernel with trainable expert LoRA.
+
+Only the routed-expert computation is replaced. Every MoE block keeps its own router (softmax or sigmoid scores,
+top-k, norm_topk_prob, DeepSeek grouped top-k and routed_scaling_factor) and calls
+``experts(hidden_states, top_k_index, top_k_weights)``; ``CPUExperts`` has that same call, so the block's forward
+is untouched and the routing weights receive gradients from the kernel's backward. Non-expert LoRA (attention,
+shared experts, dense MLPs, router) goes through PEFT, which is attached after the surgery and so never sees the
+routed experts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kt_serve.formats.names import ordered_target_modules
+from kt_serve.kernel import MoELoRAExperts
+
+EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+# Kernel parameters trained for each targeted expert projection (the others stay at their zero-B init).
+EXPERT_PARAMS = {proj: (f"{proj[:-5]}_lora_a", f"{proj[:-5]}_lora_b") for proj in EXPERT_PROJS}
+ROUTER_LEAF = "gate"
+NEVER_TARGETED = ("lm_head",)
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+class CPUExperts(MoELoRAExperts):
+    """A MoE block's routed experts in the CPU kernel, called like the HF experts module it replaces.
+
+    Inputs from a GPU are copied to the CPU and the result copied back (both differentiable). ``_apply`` is a
+    no-op so that ``model.to("cuda")`` or ``model.to(torch.bfloat16)`` leaves the kernel's fp32 LoRA parameters
+    on the CPU in fp32, where the kernel reads and accumulates them.
+    """
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        device = hidden_states.device
+        out = super().forward(hidden_states.to("cpu"), top_k_index.to("cpu"), top_k_weights.to("cpu", torch.float32))
+        return out.to(device)
+
+    def _apply(self, fn, recurse=True):
+        return self
+
+
+@dataclass
+class MoEBlock:
+    layer: int  # decoder-layer index, the key of the fused expert file
+    path: str  # module path of the block, e.g. "model.layers.3.mlp"
+    block: nn.Module
+
+
+def find_moe_blocks(model: nn.Module) -> list[MoEBlock]:
+    """MoE blocks with fused routed experts (transformers 5.x: ``experts.gate_up_proj [E,2I,H]``, ``down_proj [E,H,I]``).
+
+    Checkpoints on disk with per-expert keys are fused by transformers at load time, so they arrive here fused too.
+    """
+    blocks = []
+    for path, module in model.named_modules():
+        experts = getattr(module, "experts", None)
+        if experts is None or isinstance(module, CPUExperts):
+            continue
+        if isinstance(experts, nn.ModuleList):
+            raise ValueError(f"{path}.experts is a per-expert ModuleList (transformers 4.x modeling code); load the "
+                             "checkpoint with the transformers 5.x class of this family, whose experts are fused")
+        gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+        if not (isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3 and isinstance(down, torch.Tensor)):
+            continue
+        num_experts, two_i, hidden = gate_up.shape
+        if down.shape != (num_experts, hidden, two_i // 2):
+            raise ValueError(f"{path}.experts: gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} "
+                             "are not [E,2I,H] and [E,H,I] (transposed expert layouts are not supported)")
+        match = _LAYER_INDEX.search(path + ".")
+        if match is None:
+            raise ValueError(f"{path}: cannot find the decoder-layer index in the module path")
+        blocks.append(MoEBlock(int(match.group(1)), path, module))
+    return blocks
+
+
+def replace_routed_experts(model: nn.Module, rank: int, alpha: float) -> dict[int, CPUExperts]:
+    """Swap every block's HF experts for ``CPUExperts`` (the kernel packs its own bf16 copy of the base weights,
+    so the HF tensors are released right after); returns the kernel modules by decoder-layer index."""
+    blocks = find_moe_blocks(model)
+    if not blocks:
+        raise ValueError(f"{type(model).__name__}: no MoE block with fused routed experts found")
+    kernels = {}
+    for b in blocks:
+        experts = b.block.experts
+        kernel = CPUExperts(gate_up_proj=experts.gate_up_proj.detach().cpu(), down_proj=experts.down_proj.detach().cpu(),
+                            rank=rank, alpha=alpha)
+        b.block.experts = kernel
+        kernels[b.layer] = kernel
+    return kernels
+
+
+@dataclass
+class PeftTargets:
+    modules: list[str]  # full paths of nn.Linear modules
+    parameters: list[str]  # full names of router weights (TopK routers are not nn.Linear in transformers 5.x)
+    expert_projs: list[str]  # routed-expert projections trained in the kernel
+
+    @property
+    def leaves(self) -> list[str]:
+        leaves = {m.rsplit(".", 1)[-1] for m in self.modules} | {p.rsplit(".", 2)[-2] for p in self.parameters}
+        return ordered_target_modules(leaves | set(self.expert_projs))
+
+
+def resolve_targets(model: nn.Module, lora_target: list[str]) -> PeftTargets:
+    """LLaMA-Factory ``lora_target`` semantics: ``all`` = every nn.Linear except lm_head, plus the routers and the
+    routed experts; otherwise module leaf names. ``gate_proj/up_proj/down_proj`` name both the routed experts
+    (trained in the kernel) and shared-expert / dense MLP projections (PEFT); ``gate`` names the router."""
+    use_all = "all" in lora_target
+    if use_all and len(lora_target) > 1:
+        raise ValueError("lora_target: 'all' cannot be combined with other names")
+    wanted = set(lora_target)
+    modules, parameters = [], []
+    for path, module in model.named_modules():
+        leaf = path.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Linear):
+            if leaf not in NEVER_TARGETED and (use_all or leaf in wanted):
+                modules.append(path)
+        elif leaf == ROUTER_LEAF and isinstance(getattr(module, "weight", None), nn.Parameter) \
+                and module.weight.dim() == 2 and (use_all or leaf in wanted):
+            parameters.append(f"{path}.weight")
+    expert_projs = [p for p in EXPERT_PROJS if use_all or p in wanted]
+    if not expert_projs:
+        raise ValueError("lora_target: must include the routed-expert projections (gate_proj, up_proj, down_proj "
+                         "or all); training their LoRA in the kernel is what this trainer is for")
+    found = {m.rsplit(".", 1)[-1] for m in modules} | ({ROUTER_LEAF} if parameters else set()) | set(EXPERT_PROJS)
+    missing = sorted(wanted - found - {"all"})
+    if missing:
+        raise ValueError(f"lora_target: no module named {', '.join(missing)} in {type(model).__name__}")
+    return PeftTargets(modules, parameters, expert_projs)
+
+
+@contextlib.contextmanager
+def _without_peft_v4_target_conversion():
+    """PEFT >= 0.19 rewrites LoRA targets of MoE model types for transformers 5 so that adapters trained on 4.x
+    load: any target ending in ``.gate_proj/.up_proj/.down_proj`` becomes the fused expert parameter. For a fresh
+    adapter with exact module paths that silently drops shared-expert targets (DeepSeek ``shared_experts.*``) and
+    points PEFT at routed experts, so it is switched off while the adapter is created."""
+    from peft.utils import transformers_weight_conversion as conversion
+
+    original = conversion.get_checkpoint_conversion_mapping
+    conversion.get_checkpoint_conversion_mapping = lambda model_type: None
+    try:
+        yield
+    finally:
+        conversion.get_checkpoint_conversion_mapping = original
+
+
+class TrainModel:
+    """The model being trained: PEFT-wrapped HF model with kernel experts, plus what export and the optimizer need."""
+
+    def __init__(self, model: nn.Module, kernels: dict[int, CPUExperts], targets: PeftTargets, cfg,
+                 device: torch.device):
+        self.model = model
+        self.kernels = kernels  # by decoder-layer index
+        self.targets = targets
+        self.cfg = cfg
+        self.device = device  # of the non-expert modules and the input batches
+
+    @classmethod
+    def load(cls, cfg) -> "TrainModel":
+        import peft
+        from transformers import AutoModelForCausalLM
+
+        dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=dtype,
+                                                     trust_remote_code=cfg.trust_remote_code)
+        model.config.use_cache = False
+        torch.manual_seed(cfg.seed)  # LoRA init (kernel experts, then PEFT) is a function of the seed
+        kernels = replace_routed_experts(model, cfg.lora_rank, cfg.lora_alpha)
+        targets = resolve_targets(model, cfg.lora_targets)
+        if targets.modules or targets.parameters:
+            lora_config = peft.LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                                          target_modules=targets.modules, target_parameters=targets.parameters or None,
+                                          bias="none", task_type="CAUSAL_LM")
+            with _without_peft_v4_target_conversion():
+                model = peft.get_peft_model(model, lora_config)
+        for kernel in kernels.values():  # PEFT froze everything it does not own
+            for proj, names in EXPERT_PARAMS.items():
+                for name in names:
+                    getattr(kernel, name).requires_grad_(proj in targets.expert_projs)
+        device = cfg.kt_config.dense_device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        model.to(device)  # CPUExperts stay on the CPU
+        wrapped = cls(model, kernels, targets, cfg, torch.device(device))
+        wrapped._check_no_peft_in_experts()
+        return wrapped
+
+    def _check_no_peft_in_experts(self):
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        kernel_paths = [p for p, m in self.model.named_modules() if isinstance(m, CPUExperts)]
+        for path, module in self.model.named_modules():
+            if isinstance(module, BaseTunerLayer) and (
+                any(isinstance(m, CPUExperts) for m in module.modules())
+                or any(path.startswith(k + ".") for k in kernel_paths)
+            ):
+                raise AssertionError(f"PEFT wrapped {path}: routed experts must be trained only in the kernel")
+
+    def named_trainable_parameters(self) -> dict[str, nn.Parameter]:
+        return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def parameter_report(self) -> str:
+        groups: dict[str, int] = {}
+        kernel_params = {id(p) for k in self.kernels.values() for p in k.parameters()}
+        for name, p in self.named_trainable_parameters().items():
+            if id(p) in kernel_params:
+                group = "routed experts (kernel)"
+            elif f".{ROUTER_LEAF}." in name:
+                group = "router"
+            elif ".mlp." in name:
+                group = "shared/dense MLP"
+            else:
+                group = "attention/other"
+            groups[group] = groups.get(group, 0) + p.numel()
+        return ", ".join(f"{g}: {n:,}" for g, n in sorted(groups.items()))
+
+    # ---------------------------------------------------------------------------------------------- export
+
+    def nonexpert_state_dict(self) -> dict[str, torch.Tensor]:
+        """PEFT keys (``base_model.model.model.layers...lora_A.weight``) of the non-expert LoRA."""
+        import peft
+
+        if not isinstance(self.model, peft.PeftModel):
+            return {}
+        kernel_paths = tuple(p + "." for p, m in self.model.named_modules() if isinstance(m, CPUExperts))
+        state = peft.get_peft_model_state_dict(self.model)
+        return {k: v.detach().cpu().contiguous() for k, v in state.items() if not k.startswith(kernel_paths)}
+
+    def expert_state_dict(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Per decoder layer, the six KT fused tensors (``gate_lora_a`` ...) in bf16."""
+        return {layer: kernel.lora().to_kt() for layer, kernel in sorted(self.kernels.items())}
+
+    def adapter_config(self) -> dict:
+        """A plain PEFT LoraConfig (no KT-specific fields), targets given as leaf names like LLaMA-Factory saves."""
+        import peft
+
+        config = peft.LoraConfig(r=self.cfg.lora_rank, lora_alpha=self.cfg.lora_alpha,
+                                 lora_dropout=self.cfg.lora_dropout, target_modules=self.targets.leaves, bias="none",
+                                 task_type="CAUSAL_LM", base_model_name_or_path=str(self.cfg.model_name_or_path))
+        config = config.to_dict()
+        config["target_modules"] = self.targets.leaves  # to_dict() turns the list into an unordered set
+        return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
