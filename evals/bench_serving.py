@@ -1,0 +1,128 @@
+"""Serving benchmark: decode tok/s and peak server RSS, kt_serve plugin vs SGLang's own CPU MoE path, one run.
+
+    python evals/bench_serving.py [--out DIR] [--hidden 1024 --moe-intermediate 512 --experts 64 --top-k 8 --layers 8]
+                                  [--tokens 64] [--streams 1 8]
+
+Rows (each its own server start, same random model):
+  sglang        SGLang without our plugin (SGLANG_PLUGINS excludes it): its per-expert torch loop
+  kt base       routed experts in the kt_serve kernel, no adapter
+  kt expert     ... with --kt-expert-lora-path (every request gets the expert LoRA)
+  kt mixed      ... --enable-lora with two composite adapters; requests cycle base / :a / :b
+Decode tok/s = completion tokens / wall time of N concurrent greedy streams (ignore_eos); ratios are against the
+"kt base" and "sglang" rows of the same run. Peak RSS sums every process of the server's session.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from kt_serve.server import SGLangServer
+from kt_serve.tiny_model import build_tiny_moe
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from serving_reference import write_expert_peft_adapter, write_kt_adapter  # noqa: E402
+
+
+class PeakRSS:
+    """Samples the summed RSS of a process session (the server tree) until stopped."""
+
+    def __init__(self, sid: int, period: float = 0.2):
+        self.sid, self.period, self.peak = sid, period, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            total = 0
+            for p in psutil.process_iter(["pid"]):
+                try:
+                    if os.getsid(p.pid) == self.sid:
+                        total += p.memory_info().rss
+                except (psutil.Error, ProcessLookupError, PermissionError):
+                    pass
+            self.peak = max(self.peak, total)
+            self._stop.wait(self.period)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def decode_tps(server, models: list[str], streams: int, tokens: int, prompt: list[int]) -> float:
+    body = lambda m: {"model": m, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+
+    def one(i):
+        status, r = server.post("/v1/completions", body(models[i % len(models)]), timeout=600)
+        assert status == 200, r
+        return r["usage"]["completion_tokens"]
+
+    one(0)  # warm-up
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(streams) as pool:
+        n = sum(pool.map(one, range(streams)))
+    return n / (time.perf_counter() - start)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--moe-intermediate", type=int, default=512)
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--rows", nargs="+", default=["sglang", "kt base", "kt expert", "kt mixed"])
+    a = ap.parse_args(argv)
+    out = Path(a.out or tempfile.mkdtemp(prefix="kt_bench_"))
+    model = str(build_tiny_moe(out / "model", "qwen3_moe", hidden_size=a.hidden, moe_intermediate_size=a.moe_intermediate,
+                               num_experts=a.experts, top_k=a.top_k, num_layers=a.layers))
+    expert = write_expert_peft_adapter(out / "expert", model, seed=1, rank=8, alpha=16.0)
+    comp_a = write_kt_adapter(out / "a", model, seed=2, rank=8, alpha=16.0)
+    comp_b = write_kt_adapter(out / "b", model, seed=3, rank=8, alpha=16.0)
+    lora = ["--enable-lora", "--lora-backend", "torch_native", "--max-loras-per-batch", "4"]
+    rows = {
+        "sglang": ([], {"SGLANG_PLUGINS": "none"}, [model]),
+        "kt base": ([], {}, [model]),
+        "kt expert": (["--kt-expert-lora-path", str(expert)], {}, [model]),
+        "kt mixed": (lora + ["--lora-paths", f"a={comp_a}", f"b={comp_b}"], {}, [model, f"{model}:a", f"{model}:b"]),
+    }
+    prompt = list(range(3, 35))
+    results = {}
+    for name in a.rows:
+        args, env, models = rows[name]
+        server = SGLangServer(model, args + ["--max-running-requests", str(max(a.streams))], env=env,
+                              max_total_tokens=8192, log_path=out / f"{name.replace(' ', '_')}.log")
+        with server:
+            rss = PeakRSS(server.proc.pid)
+            tps = {s: decode_tps(server, models, s, a.tokens, prompt) for s in a.streams}
+            results[name] = (tps, rss.stop())
+        print(f"{name}: {tps} peak RSS {results[name][1] / 2**30:.2f} GiB", flush=True)
+
+    cols = " | ".join(f"{s} stream{'s' if s > 1 else ''} tok/s" for s in a.streams)
+    print(f"\nmodel: hidden {a.hidden}, moe_intermediate {a.moe_intermediate}, {a.experts} experts top-{a.top_k}, "
+          f"{a.layers} layers; {a.tokens} tokens per stream; {os.cpu_count()} CPUs")
+    print(f"| row | {cols} | vs kt base | vs sglang | peak RSS GiB |")
+    print("|---|" + "---|" * (len(a.streams) + 3))
+    for name, (tps, rss) in results.items():
+        s_max = max(a.streams)
+        vs_base = tps[s_max] / results["kt base"][0][s_max] if "kt base" in results else float("nan")
+        vs_sgl = tps[s_max] / results["sglang"][0][s_max] if "sglang" in results else float("nan")
+        print(f"| {name} | " + " | ".join(f"{tps[s]:.1f}" for s in a.streams) +
+              f" | {vs_base:.2f}x | {vs_sgl:.2f}x | {rss / 2**30:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""Start a real ``python -m sglang.launch_server`` for tests, evals and the quickstart, and always clean it up.
+
+    with SGLangServer("/tmp/tiny", extra_args=["--kt-expert-lora-path", "/tmp/ad"]) as srv:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none")
+
+The server runs in its own process group, so exit, Ctrl-C or a failed start kill the whole tree (launcher,
+schedulers, detokenizer). Readiness means a real 1-token ``/generate`` succeeded: ``/health`` can answer while the
+scheduler is already dying. The log goes to a file whose tail is shown when start-up fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_env() -> dict[str, str]:
+    """Environment for SGLang's CPU engine (harmless where the CPU shims already set it)."""
+    env = dict(os.environ)
+    env.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+class SGLangServer:
+    """Context manager around one SGLang server process tree.
+
+    model_path: checkpoint dir; extra_args: further launch_server flags; device: "cpu" sets the CPU engine env;
+    max_total_tokens: KV-cache size (keep it small on CPU, else SGLang reserves most of the RAM).
+    """
+
+    def __init__(self, model_path, extra_args=(), *, device: str = "cpu", port: int | None = None,
+                 max_total_tokens: int = 2048, startup_timeout: float = 300.0, log_path=None,
+                 env: dict[str, str] | None = None, python: str = sys.executable):
+        self.model_path = str(model_path)
+        self.port = port or free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.startup_timeout = startup_timeout
+        self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="sglang_", suffix=".log")[1])
+        self.cmd = [python, "-m", "sglang.launch_server", "--model-path", self.model_path, "--host", "127.0.0.1",
+                    "--port", str(self.port), "--device", device, "--max-total-tokens", str(max_total_tokens),
+                    *map(str, extra_args)]
+        self.env = cpu_env() if device == "cpu" else dict(os.environ)
+        self.env.update(env or {})
+        self.proc: subprocess.Popen | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+    def start(self) -> "SGLangServer":
+        log = open(self.log_path, "wb")
+        try:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True)
+        finally:
+            log.close()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        pgid = self.proc.pid  # start_new_session: the launcher leads its own process group
+        for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and _group_alive(pgid):
+                time.sleep(0.1)
+            if not _group_alive(pgid):
+                break
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        self.proc = None
+
+    def __enter__(self) -> "SGLangServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- helpers ---------------------------------------------------------------------------------------------
+    def log_tail(self, n_lines: int = 150) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n_lines:])
+
+    def post(self, path: str, payload: dict, timeout: float = 120.0) -> tuple[int, dict]:
+        """POST JSON; returns (HTTP status, decoded body) also for 4xx/5xx answers."""
+        req = urllib.request.Request(self.base_url + path, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, json.loads(r.read() or b"{}")
+        except urllib.error.HTTPError as e:
+            body = e.read()
+            try:
+                return e.code, json.loads(body or b"{}")
+            except json.JSONDecodeError:
+                return e.code, {"error": body.decode(errors="replace")}
+
+    def get(self, path: str, timeout: float = 30.0) -> dict:
+        with urllib.request.urlopen(self.base_url + path, timeout=timeout) as r:
+            return json.loads(r.read() or b"{}")
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        probe = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+        last = "no answer"
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerStartError(f"SGLang exited with code {self.proc.returncode} during start-up; "
+                                       f"log {self.log_path}:\n{self.log_tail()}")
+            try:
+                status, body = self.post("/generate", probe, timeout=30)
+                if status == 200 and body.get("meta_info"):
+                    return
+                last = f"HTTP {status}: {str(body)[:200]}"
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+                last = repr(e)
+            time.sleep(1.0)
+        raise ServerStartError(f"SGLang not ready after {self.startup_timeout:.0f}s (last probe: {last}); "
+                               f"log {self.log_path}:\n{self.log_tail()}")
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # killpg(0) also succeeds for zombies; reap what is ours and treat a group of zombies as gone.
+    try:
+        out = subprocess.run(["ps", "-o", "stat=", "--sid", str(pgid)], capture_output=True, text=True).stdout
+    except OSError:
+        return True
+    return any(s and not s.startswith("Z") for s in out.split())

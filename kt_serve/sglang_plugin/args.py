@@ -1,0 +1,62 @@
+"""The ``--kt-*`` server flags: added to SGLang's parser, read back after parsing, exported to the schedulers.
+
+SGLang's ``from_cli_args`` keeps only dataclass fields, so an unknown flag would be dropped silently; the AFTER hook
+on it reads our flags from the namespace, validates them and exports them (config.py) before any child is spawned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from .config import KTServeConfig
+
+# (flag, dest, argparse kwargs); dest names equal KTServeConfig fields.
+FLAGS = [
+    ("--kt-moe", "moe", dict(choices=["on", "off"], default="on",
+                              help="kt_serve: run routed experts in the kt_serve CPU kernel ('on', default) or in "
+                                   "SGLang's own MoE path ('off')")),
+    ("--kt-expert-lora-path", "expert_lora_path",
+     dict(default=None, help="kt_serve: expert LoRA dir (KT SFT output, merged or expert-only PEFT adapter) applied "
+                             "to every request that does not select a composite adapter with its own expert half")),
+    ("--kt-threads", "threads", dict(type=int, default=0,
+                                     help="kt_serve: CPU threads of the MoE kernel (0 = all physical cores)")),
+    ("--kt-max-expert-loras", "max_expert_loras",
+     dict(type=int, default=8, help="kt_serve: expert-adapter slots kept in the kernel per MoE layer")),
+    ("--kt-lora-cache-dir", "lora_cache_dir",
+     dict(default=None, help="kt_serve: where composite adapters are split (default: a per-user temp dir)")),
+]
+
+
+def _existing_options(parser: argparse.ArgumentParser) -> set[str]:
+    return {s for a in parser._actions for s in a.option_strings}
+
+
+def add_cli_args_hook(result, parser, *args, **kwargs):
+    """AFTER ServerArgs.add_cli_args(parser): add our flags (skipping any a fork already defines)."""
+    group = parser.add_argument_group("kt_serve (routed experts on the kt_serve CPU kernel)")
+    existing = _existing_options(parser)
+    for flag, dest, kw in FLAGS:
+        if flag in existing:  # e.g. sglang-kt defines --kt-expert-lora-path; reuse its value
+            continue
+        group.add_argument(flag, dest=f"kt_serve_{dest}", **kw)
+    return result
+
+
+def from_cli_args_hook(server_args, *args, **kwargs):
+    """AFTER ServerArgs.from_cli_args(namespace): validate our flags, export them for the schedulers."""
+    namespace = next(a for a in list(args) + list(kwargs.values()) if isinstance(a, argparse.Namespace))
+    values = {}
+    for flag, dest, _ in FLAGS:
+        for attr in (f"kt_serve_{dest}", flag[2:].replace("-", "_")):
+            if getattr(namespace, attr, None) is not None:
+                values[dest] = getattr(namespace, attr)
+                break
+    config = KTServeConfig(**values)
+    if config.expert_lora_path:
+        path = os.path.abspath(config.expert_lora_path)
+        if not os.path.isdir(path):
+            raise SystemExit(f"--kt-expert-lora-path {config.expert_lora_path}: not a directory")
+        config = KTServeConfig(**{**values, "expert_lora_path": path})
+    config.export()
+    return server_args

@@ -1,0 +1,61 @@
+"""Per-batch expert-adapter selection: request adapter ids -> one kernel slot per token.
+
+Built once per forward batch (AFTER ``LoRAManager.prepare_lora_batch``) and read by every MoE layer, whose
+``forward`` only sees hidden states. Without ``--enable-lora`` no batch is ever prepared and every token uses the
+default slot (the global ``--kt-expert-lora-path`` adapter, or none).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ExpertBatchInfo:
+    # int32 [T] on CPU: kernel slot per token, -1 = base experts only
+    token_slots: torch.Tensor
+    # the same when every token shares one slot (lets the kernel skip the per-token path), else None
+    uniform_slot: int | None
+
+
+_current: ExpertBatchInfo | None = None
+
+
+def set_batch(lora_ids, seq_lens, slot_of) -> None:
+    """lora_ids: adapter id (or None) per request; seq_lens: tokens per request in this forward;
+    slot_of: maps an adapter id (or None) to its kernel slot (-1: none)."""
+    global _current
+    slots = [slot_of(uid) for uid in lora_ids]
+    if len(set(slots)) <= 1:
+        uniform = slots[0] if slots else -1
+        _current = ExpertBatchInfo(torch.full((int(sum(seq_lens)),), uniform, dtype=torch.int32), uniform)
+        return
+    token_slots = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int32),
+                                          torch.tensor(seq_lens, dtype=torch.int64))
+    _current = ExpertBatchInfo(token_slots, None)
+
+
+def clear_batch() -> None:
+    global _current
+    _current = None
+
+
+def slots_for(num_tokens: int, default_slot: int):
+    """Kernel ``slots`` argument for a forward over ``num_tokens`` tokens: an int or an int32 tensor [T]."""
+    info = _current
+    if info is None:
+        return default_slot
+    if info.token_slots.numel() != num_tokens:
+        raise RuntimeError(f"kt_serve: MoE layer got {num_tokens} tokens but the LoRA batch has "
+                           f"{info.token_slots.numel()}; per-request expert adapters cannot be mapped")
+    return info.uniform_slot if info.uniform_slot is not None else info.token_slots
+
+
+def forward_batch_seq_lens(forward_batch) -> list[int]:
+    """Tokens per request in this forward: the extend lengths for prefill (and mixed) batches, else 1."""
+    mode = forward_batch.forward_mode
+    if mode.is_extend() and forward_batch.extend_seq_lens_cpu is not None:
+        return [int(n) for n in forward_batch.extend_seq_lens_cpu]
+    return [1] * len(forward_batch.lora_ids)

@@ -1,0 +1,70 @@
+"""Plugin settings: one dataclass, read from the environment in every process.
+
+The launcher's CLI hook (args.py) exports the flags as ``KT_SERVE_*`` variables before SGLang spawns its
+schedulers, which inherit the environment; ``Engine(...)`` users set the variables directly.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+ENV_PREFIX = "KT_SERVE_"
+
+
+@dataclass(frozen=True)
+class KTServeConfig:
+    # routed experts in our kernel ("on"), or SGLang's own MoE path ("off", e.g. as a benchmark baseline)
+    moe: str = "on"
+    # expert adapter applied to every request that does not bring its own expert half (reference semantics)
+    expert_lora_path: str | None = None
+    # kernel worker threads (0: the kernel's default, all physical cores)
+    threads: int = 0
+    # expert-adapter slots per MoE layer (global adapter + composite adapters loaded at once)
+    max_expert_loras: int = 8
+    # where composite adapters are split into their SGLang (non-expert) half
+    lora_cache_dir: str | None = None
+
+    def __post_init__(self):
+        if self.moe not in ("on", "off"):
+            raise ValueError(f"--kt-moe={self.moe!r}: expected 'on' or 'off'")
+        if self.max_expert_loras < 1:
+            raise ValueError(f"--kt-max-expert-loras={self.max_expert_loras}: expected >= 1")
+        if self.moe == "off" and self.expert_lora_path:
+            raise ValueError("--kt-expert-lora-path needs --kt-moe on (expert LoRA runs in the kt_serve kernel)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.moe == "on"
+
+    @staticmethod
+    def env_name(field: str) -> str:
+        return ENV_PREFIX + field.upper()
+
+    @classmethod
+    def from_env(cls, environ=os.environ) -> "KTServeConfig":
+        kw = {}
+        for f in fields(cls):
+            raw = environ.get(cls.env_name(f.name))
+            if raw is None or raw == "":
+                continue
+            kw[f.name] = int(raw) if f.type == "int" else raw
+        return cls(**kw)
+
+    def export(self, environ=os.environ) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                environ.pop(self.env_name(f.name), None)
+            else:
+                environ[self.env_name(f.name)] = str(value)
+
+
+_config: KTServeConfig | None = None
+
+
+def get_config() -> KTServeConfig:
+    global _config
+    if _config is None:
+        _config = KTServeConfig.from_env()
+    return _config

@@ -1,0 +1,66 @@
+"""Run-time fixes for SGLang's CPU engine on a host without any accelerator (scheduler processes only).
+
+Import-time problems (CUDA-linked torchvision, missing sgl_kernel, SGLANG_USE_CPU_ENGINE) are fixed by
+launch/cpu_shims/install_shims.py, because they bite before any plugin runs. Everything here is a no-op when CUDA
+is available.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+# torch factories that SGLang's LoRA code calls with pin_memory=True (lora/layers.py, mem_pool.py, torch_backend.py)
+_PIN_MEMORY_FACTORIES = ("tensor", "empty", "zeros", "ones", "full", "arange", "empty_like", "zeros_like",
+                         "ones_like", "full_like", "as_tensor", "empty_strided", "randn", "rand")
+
+
+def cpu_only_host() -> bool:
+    return os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" and not torch.cuda.is_available()
+
+
+def _drop_pin_memory(factory):
+    @functools.wraps(factory)
+    def wrapper(*args, **kwargs):
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        return factory(*args, **kwargs)
+
+    wrapper._kt_serve_no_pin = True
+    return wrapper
+
+
+def disable_pin_memory() -> None:
+    """pin_memory=True raises on CPU-only torch (sglang#31894); pinning has no meaning without a device anyway."""
+    if getattr(torch.Tensor.pin_memory, "_kt_serve_no_pin", False):
+        return
+    for name in _PIN_MEMORY_FACTORIES:
+        setattr(torch, name, _drop_pin_memory(getattr(torch, name)))
+
+    def pin_memory(self, *args, **kwargs):
+        return self
+
+    def is_pinned(self, *args, **kwargs):
+        return False
+
+    pin_memory._kt_serve_no_pin = True
+    torch.Tensor.pin_memory = pin_memory
+    torch.Tensor.is_pinned = is_pinned
+
+
+def gate_sigmoid_mul_add_cpu(original, hidden_states, gate_weight, shared_output, final_hidden_states):
+    """AROUND fused_gate_sigmoid_mul_add: the Triton kernel has no CPU driver (Qwen2-MoE shared-expert gate)."""
+    if hidden_states.device.type != "cpu":
+        return original(hidden_states, gate_weight, shared_output, final_hidden_states)
+    gate = torch.sigmoid(hidden_states.float() @ gate_weight.float().reshape(-1, 1))
+    final_hidden_states.add_((gate * shared_output.float()).to(final_hidden_states.dtype))
+
+
+def gate_sigmoid_mul_cpu(original, hidden_states, gate_weight, shared_output, *args, **kwargs):
+    """AROUND fused_gate_sigmoid_mul (out-of-place variant of the above)."""
+    if hidden_states.device.type != "cpu" or args or kwargs:
+        return original(hidden_states, gate_weight, shared_output, *args, **kwargs)
+    gate = torch.sigmoid(hidden_states.float() @ gate_weight.float().reshape(-1, 1))
+    return (gate * shared_output.float()).to(shared_output.dtype)

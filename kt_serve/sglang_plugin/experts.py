@@ -1,0 +1,180 @@
+"""Routed experts of SGLang's ``FusedMoE`` on the kt_serve kernel: a quant method that SGLang's layer calls.
+
+``FusedMoE.forward_impl`` runs dispatch -> ``quant_method.apply`` -> combine -> TP all-reduce, so only the expert
+math is replaced; router, top-k (grouped top-k, bias), shared experts and attention stay SGLang's. ``apply``
+returns ``sum_k w_k * expert_k(x)`` like SGLang's own CPU path; models apply ``routed_scaling_factor`` after it.
+
+Memory: the checkpoint's expert tensors land in CPU staging buffers (never on the GPU); as soon as a layer has all
+of its experts, they are packed into the kernel and the staging buffers are released, so the peak stays near the
+packed size plus one layer. Tensor parallel: TP rank 0 holds the full experts and computes every token once; the
+other ranks return zeros and SGLang's all-reduce sums the two.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
+
+from . import batch
+from .config import get_config
+
+logger = logging.getLogger(__name__)
+
+_registry = None
+_registry_lock = threading.Lock()
+
+
+def get_registry():
+    """This process's ExpertAdapterRegistry (created on first MoE layer, with the global adapter if any)."""
+    global _registry
+    with _registry_lock:
+        if _registry is None:
+            from kt_serve.kernel import set_num_threads
+
+            from .adapters import ExpertAdapterRegistry
+
+            config = get_config()
+            if config.threads > 0:
+                set_num_threads(config.threads)
+            registry = ExpertAdapterRegistry(config.max_expert_loras)
+            if config.expert_lora_path and _is_compute_rank():
+                registry.load_global(config.expert_lora_path)
+            _registry = registry
+        return _registry
+
+
+def _is_compute_rank() -> bool:
+    from sglang.srt.runtime_context import get_parallel
+
+    return get_parallel().tp_rank == 0
+
+
+class KTRoutedExpertsMethod(FusedMoEMethodBase):
+    """FusedMoE quant method whose experts live in ``kt_serve.kernel.MoEExperts`` (bf16, CPU)."""
+
+    runner = None
+
+    def __init__(self):
+        super().__init__()
+        self.experts = None          # kt_serve.kernel.MoEExperts once packed (TP rank 0 only)
+        self.compute_rank = _is_compute_rank()
+        self._loaded: set[tuple[int, str]] = set()
+
+    # -- weights -------------------------------------------------------------------------------------------
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
+                       **extra_weight_attrs):
+        if layer.moe_runner_config.activation != "silu" or not layer.moe_runner_config.is_gated:
+            raise ValueError(f"kt_serve: MoE layer {layer.layer_id} uses activation "
+                             f"{layer.moe_runner_config.activation!r}; the kernel implements gated SiLU only")
+        if layer.moe_runner_config.apply_router_weight_on_input:
+            raise ValueError(f"kt_serve: MoE layer {layer.layer_id}: apply_router_weight_on_input is unsupported")
+        if extra_weight_attrs.get("with_bias"):
+            raise ValueError(f"kt_serve: MoE layer {layer.layer_id} has expert biases; the kernel has none")
+        # full (unsharded) intermediate size: this rank computes every token's experts completely
+        full_i = extra_weight_attrs.get("moe_intermediate_size") or intermediate_size_per_partition * layer.moe_tp_size
+        self.shape = (num_experts, hidden_size, full_i)
+        E, H, I = self.shape if self.compute_rank else (0, 0, 0)
+        # CPU staging; untouched pages of torch.empty cost no memory, so only the layer being loaded is resident
+        w13 = torch.nn.Parameter(torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device="cpu"), requires_grad=False)
+        w2 = torch.nn.Parameter(torch.empty(E, H, I, dtype=torch.bfloat16, device="cpu"), requires_grad=False)
+        for name, param in (("w13_weight", w13), ("w2_weight", w2)):
+            param.weight_loader = self._weight_loader(layer)
+            layer.register_parameter(name, param)
+
+    def _weight_loader(self, layer):
+        def load(param, loaded_weight, weight_name=None, shard_id=None, expert_id=None, *args, **kwargs):
+            if not self.compute_rank:
+                return
+            if expert_id is None or shard_id not in ("w1", "w2", "w3"):
+                raise ValueError(f"kt_serve: MoE layer {layer.layer_id}: unsupported expert weight {weight_name} "
+                                 f"(shard {shard_id}, expert {expert_id}); per-expert bf16 checkpoints only")
+            E, H, I = self.shape
+            expert_id = int(expert_id)
+            if not 0 <= expert_id < E:
+                return  # e.g. fused shared experts addressed past the routed ones: not ours
+            if shard_id == "w2":
+                layer.w2_weight.data[expert_id].copy_(loaded_weight)
+            else:
+                rows = slice(0, I) if shard_id == "w1" else slice(I, 2 * I)
+                layer.w13_weight.data[expert_id, rows].copy_(loaded_weight)
+            self._loaded.add((expert_id, shard_id))
+            if len(self._loaded) == 3 * E:
+                self._pack(layer)
+
+        return load
+
+    def _pack(self, layer) -> None:
+        from kt_serve.kernel import MoEExperts
+
+        registry = get_registry()
+        config = get_config()
+        self.experts = MoEExperts(gate_up_proj=layer.w13_weight.data, down_proj=layer.w2_weight.data,
+                                  max_slots=config.max_expert_loras)
+        # the kernel holds its own packed copy now: release SGLang's
+        layer.w13_weight.data = torch.empty(0, dtype=torch.bfloat16)
+        layer.w2_weight.data = torch.empty(0, dtype=torch.bfloat16)
+        self._loaded.clear()
+        registry.add_layer(layer.layer_id, self.experts)
+        logger.info("kt_serve: packed MoE layer %d (E=%d, H=%d, I=%d) into the kernel (isa %s)", layer.layer_id,
+                    *self.shape, self.experts.isa)
+
+    def process_weights_after_loading(self, layer) -> None:
+        if self.compute_rank and self.experts is None:
+            E = self.shape[0]
+            raise ValueError(f"kt_serve: MoE layer {layer.layer_id}: checkpoint gave {len(self._loaded)} of "
+                             f"{3 * E} expert weight matrices")
+
+    # -- runner --------------------------------------------------------------------------------------------
+    def create_moe_runner(self, layer, moe_runner_config) -> None:
+        self.moe_runner_config = moe_runner_config
+
+    def get_moe_runner_backend(self, layer):
+        return None
+
+    def apply(self, layer, dispatch_output):
+        from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
+        from sglang.srt.layers.moe.topk import TopKOutputChecker
+
+        topk_output = dispatch_output.topk_output
+        if TopKOutputChecker.format_is_bypassed(topk_output):
+            topk_output = topk_output.to_standard()
+        x = dispatch_output.hidden_states
+        if not self.compute_rank:
+            return StandardCombineInput(hidden_states=torch.zeros_like(x))
+        topk_weights, topk_ids = topk_output.topk_weights, topk_output.topk_ids
+        slots = batch.slots_for(x.shape[0], get_registry().default_slot)
+        if x.device.type == "cpu":
+            out = self._forward_cpu(x, topk_ids, topk_weights, slots)
+        else:
+            out = self._forward_offload(x, topk_ids, topk_weights, slots)
+        return StandardCombineInput(hidden_states=out)
+
+    def _forward_cpu(self, x, topk_ids, topk_weights, slots):
+        y = self.experts.forward_sft(x.to(torch.bfloat16).contiguous(), topk_ids, topk_weights.float(),
+                                     save_for_backward=False, slots=slots)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def _forward_offload(self, x, topk_ids, topk_weights, slots):
+        """Accelerator host: copy activations and routing to the CPU, run the kernel, copy the result back.
+
+        The copies go through pinned buffers (non_blocking), so the device->host copy of the routing overlaps the
+        one of the activations; the stream is synchronised once before the kernel reads them.
+        """
+        x_cpu = torch.empty(x.shape, dtype=torch.bfloat16, pin_memory=True)
+        ids_cpu = torch.empty(topk_ids.shape, dtype=topk_ids.dtype, pin_memory=True)
+        w_cpu = torch.empty(topk_weights.shape, dtype=torch.float32, pin_memory=True)
+        x_cpu.copy_(x.to(torch.bfloat16), non_blocking=True)
+        ids_cpu.copy_(topk_ids, non_blocking=True)
+        w_cpu.copy_(topk_weights.float(), non_blocking=True)
+        torch.cuda.current_stream(x.device).synchronize()
+        y = self._forward_cpu(x_cpu, ids_cpu, w_cpu, slots).pin_memory()
+        return y.to(x.device, dtype=x.dtype, non_blocking=True)
+
+
+def use_kt_method(layer_kwargs: dict) -> bool:
+    """Whether a FusedMoE being built should get our method: bf16/unquantized experts and no explicit method."""
+    return layer_kwargs.get("quant_method") is None and layer_kwargs.get("quant_config") is None

@@ -1,0 +1,85 @@
+"""Hooks on SGLang's LoRAManager: composite adapters, per-request expert slots, and the MoE wrapping guard."""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+
+from . import batch
+from .adapters import split_composite
+from .config import get_config
+
+logger = logging.getLogger(__name__)
+
+
+def _registry():
+    from .experts import get_registry
+
+    return get_registry()
+
+
+def load_lora_adapter(original, manager, lora_ref, *args, **kwargs):
+    """AROUND LoRAManager._load_lora_adapter (start-up --lora-paths and /load_lora_adapter both land here).
+
+    A composite dir is split: the expert half goes into a kernel slot keyed by lora_id, SGLang loads the
+    non-expert half. Any failure returns SGLang's failure result (HTTP 400) with nothing left loaded.
+    """
+    try:
+        sglang_path, adapter = split_composite(lora_ref.lora_path)
+    except Exception as e:  # unreadable or malformed adapter dir
+        return manager.create_lora_update_result(success=False, error_message=f"{lora_ref.lora_path}: {e}")
+    if adapter is None:
+        return original(manager, lora_ref, *args, **kwargs)
+    if not get_config().enabled:
+        return manager.create_lora_update_result(
+            success=False, error_message=f"{lora_ref.lora_path}: routed-expert LoRA needs --kt-moe on")
+    try:
+        _registry().load(lora_ref.lora_id, adapter)
+    except Exception as e:
+        return manager.create_lora_update_result(success=False, error_message=str(e))
+    result = original(manager, msgspec.structs.replace(lora_ref, lora_path=sglang_path), *args, **kwargs)
+    if not result.success:
+        _registry().unload(lora_ref.lora_id)
+    else:
+        logger.info("kt_serve: adapter %s: expert half in kernel slot %d, non-expert half in SGLang",
+                    lora_ref.lora_name, _registry().slots.get(lora_ref.lora_id, -1))
+    return result
+
+
+def unload_lora_adapter(original, manager, lora_ref, *args, **kwargs):
+    """AROUND LoRAManager._unload_lora_adapter: free the expert slot too."""
+    result = original(manager, lora_ref, *args, **kwargs)
+    if get_config().enabled:
+        _registry().unload(lora_ref.lora_id)
+    return result
+
+
+def prepare_lora_batch(result, manager, forward_batch, *args, **kwargs):
+    """AFTER LoRAManager.prepare_lora_batch: one kernel slot per token for this forward."""
+    if get_config().enabled:
+        registry = _registry()
+        batch.set_batch(forward_batch.lora_ids, batch.forward_batch_seq_lens(forward_batch), registry.slot_of)
+    return result
+
+
+class _NotAFusedMoE:
+    """Stands in for FusedMoE while SGLang picks LoRA targets, so no routed-expert layer gets wrapped."""
+
+
+def init_lora_modules(original, manager, *args, **kwargs):
+    """AROUND LoRAManager.init_lora_modules: never wrap FusedMoE (notes: the gate_up_proj + down_proj trigger).
+
+    A non-expert adapter that trains shared-expert or dense MLPs targets gate_up_proj and down_proj, which makes
+    SGLang wrap every FusedMoE in its Triton expert-LoRA runner; our kernel applies expert LoRA instead.
+    """
+    if not get_config().enabled:
+        return original(manager, *args, **kwargs)
+    import sglang.srt.lora.lora_manager as lora_manager_module
+
+    saved = lora_manager_module.FusedMoE
+    lora_manager_module.FusedMoE = _NotAFusedMoE
+    try:
+        return original(manager, *args, **kwargs)
+    finally:
+        lora_manager_module.FusedMoE = saved

@@ -1,0 +1,170 @@
+"""Independent fp32 reference for the serving tests: HF transformers with LoRA merged in plain torch.
+
+Adapters are random tensors written as real KT SFT output dirs (non-expert PEFT file + fused expert file) through
+kt_serve.formats. The reference never uses the plugin or the kernel: it loads the checkpoint in fp32 and adds
+``alpha/r * B @ A`` to each targeted weight (attention, shared expert, and each routed expert of the transformers
+5.x fused ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``), which equals applying the LoRA in the forward.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+EXPERT_SHAPES = {  # KT fused layout: name -> shape from (E, H, I, r)
+    "gate_lora_a": lambda E, H, I, r: (E, r, H), "gate_lora_b": lambda E, H, I, r: (E, I, r),
+    "up_lora_a": lambda E, H, I, r: (E, r, H), "up_lora_b": lambda E, H, I, r: (E, I, r),
+    "down_lora_a": lambda E, H, I, r: (E, r, I), "down_lora_b": lambda E, H, I, r: (E, H, r),
+}
+
+
+def model_dims(model_dir) -> dict:
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    E = cfg.get("num_experts") or cfg.get("n_routed_experts") or cfg.get("num_local_experts")
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return dict(E=E, H=cfg["hidden_size"], I=cfg["moe_intermediate_size"], L=cfg["num_hidden_layers"],
+                q_out=cfg["num_attention_heads"] * head_dim, kv_out=cfg["num_key_value_heads"] * head_dim,
+                shared_I=cfg.get("shared_expert_intermediate_size"))
+
+
+def random_adapter(model_dir, *, seed: int, rank: int = 4, attention: bool = True, experts: bool = True,
+                   shared_expert: bool = False, scale: float = 0.15):
+    """(nonexpert PEFT tensors keyed model.layers..., experts {layer: {kt name: tensor}}) with visible effect."""
+    d = model_dims(model_dir)
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+
+    nonexpert, expert = {}, {}
+    for layer in range(d["L"]):
+        modules = {}
+        if attention:
+            modules.update({f"self_attn.q_proj": (d["H"], d["q_out"]), f"self_attn.v_proj": (d["H"], d["kv_out"]),
+                            f"self_attn.o_proj": (d["q_out"], d["H"])})
+        if shared_expert:
+            si = d["shared_I"]
+            modules.update({"mlp.shared_expert.gate_proj": (d["H"], si), "mlp.shared_expert.up_proj": (d["H"], si),
+                            "mlp.shared_expert.down_proj": (si, d["H"])})
+        for module, (fan_in, fan_out) in modules.items():
+            nonexpert[f"model.layers.{layer}.{module}.lora_A.weight"] = rnd(rank, fan_in)
+            nonexpert[f"model.layers.{layer}.{module}.lora_B.weight"] = rnd(fan_out, rank)
+        if experts:
+            expert[layer] = {name: rnd(*shape(d["E"], d["H"], d["I"], rank)) for name, shape in EXPERT_SHAPES.items()}
+    return nonexpert, expert
+
+
+def write_kt_adapter(out_dir, model_dir, *, seed: int, rank: int = 4, alpha: float = 8.0, **kinds) -> Path:
+    """A KT SFT output dir (what training writes): non-expert PEFT file + fused expert file."""
+    from kt_serve.formats import write_kt_sft_output
+
+    nonexpert, experts = random_adapter(model_dir, seed=seed, rank=rank, **kinds)
+    targets = sorted({k.split(".lora_")[0].rsplit(".", 1)[1] for k in nonexpert} |
+                     ({"gate_proj", "up_proj", "down_proj"} if experts else set()))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": targets,
+              "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM"}
+    return write_kt_sft_output(out_dir, nonexpert=nonexpert, experts=experts, adapter_config=config,
+                               base_model_name_or_path=str(model_dir), overwrite=True)
+
+
+def write_expert_peft_adapter(out_dir, model_dir, *, seed: int, rank: int = 4, alpha: float = 8.0) -> Path:
+    """An expert-only PEFT adapter (per-expert keys, as the reference converter's expert dir)."""
+    from kt_serve.formats import per_expert_key, write_peft_adapter
+
+    _, experts = random_adapter(model_dir, seed=seed, rank=rank, attention=False)
+    tensors = {}
+    for layer, t in experts.items():
+        for proj in ("gate", "up", "down"):
+            for side, kt_side in (("A", "a"), ("B", "b")):
+                for e, value in enumerate(t[f"{proj}_lora_{kt_side}"]):
+                    tensors[per_expert_key(layer, e, proj, side)] = value.contiguous()
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": ["gate_proj", "up_proj",
+              "down_proj"], "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM",
+              "base_model_name_or_path": str(model_dir)}
+    return write_peft_adapter(out_dir, tensors, config, overwrite=True)
+
+
+class HFReference:
+    """fp32 transformers model; ``logprobs(ids, start, adapter_dirs)`` merges the adapters' LoRA first."""
+
+    def __init__(self, model_dir):
+        from transformers import AutoModelForCausalLM
+
+        self.model_dir = str(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
+        self.base_state = {k: v.clone() for k, v in self.model.state_dict().items()}
+
+    def _merge(self, adapter_dir) -> None:
+        from safetensors.torch import load_file
+
+        adapter_dir = Path(adapter_dir)
+        config = json.loads((adapter_dir / "adapter_config.json").read_text())
+        scale = config["lora_alpha"] / config["r"]
+        params = dict(self.model.named_parameters())
+        peft = load_file(adapter_dir / "adapter_model.safetensors") if (adapter_dir / "adapter_model.safetensors").exists() else {}
+        with torch.no_grad():
+            for key, a in peft.items():
+                if ".lora_A." not in key:
+                    continue
+                module = key.replace("base_model.model.", "").split(".lora_A.")[0]
+                delta = scale * (peft[key.replace(".lora_A.", ".lora_B.")].float() @ a.float())
+                if ".mlp.experts." in module:  # per-expert PEFT key -> slice of the fused 5.x parameter
+                    prefix, rest = module.split(".mlp.experts.")
+                    e, proj = rest.split(".")
+                    e, I = int(e), delta.shape[0] if proj != "down_proj" else delta.shape[1]
+                    if proj == "down_proj":
+                        params[f"{prefix}.mlp.experts.down_proj"][e] += delta
+                    else:
+                        rows = slice(0, I) if proj == "gate_proj" else slice(I, 2 * I)
+                        params[f"{prefix}.mlp.experts.gate_up_proj"][e, rows] += delta
+                    continue
+                params[f"{module}.weight"] += delta
+            fused = adapter_dir / "fused_expert_lora.safetensors"
+            if fused.exists():
+                tensors = load_file(fused)
+                layers = sorted({int(k.split(".")[1]) for k in tensors})
+                for layer in layers:
+                    t = {name: tensors[f"layers.{layer}.experts.{name}"].float() for name in EXPERT_SHAPES}
+                    gate_up = params[f"model.layers.{layer}.mlp.experts.gate_up_proj"]
+                    down = params[f"model.layers.{layer}.mlp.experts.down_proj"]
+                    I = t["gate_lora_b"].shape[1]
+                    gate_up[:, :I] += scale * torch.bmm(t["gate_lora_b"], t["gate_lora_a"])
+                    gate_up[:, I:] += scale * torch.bmm(t["up_lora_b"], t["up_lora_a"])
+                    down += scale * torch.bmm(t["down_lora_b"], t["down_lora_a"])
+
+    @torch.no_grad()
+    def logprobs(self, ids: list[int], start: int, adapter_dirs=()) -> list[float]:
+        """log p(ids[i] | ids[:i]) for i in [start, len(ids)) with the given adapters merged (fp32)."""
+        return self.logprobs_and_routing(ids, start, adapter_dirs)[0]
+
+    @torch.no_grad()
+    def logprobs_and_routing(self, ids: list[int], start: int, adapter_dirs=(), tie_margin: float = 1e-3):
+        """(logprobs as above, first position whose top-k routing is a near tie in some layer, or len(ids)).
+
+        A served bf16 model can pick the other expert where the reference's k-th and (k+1)-th routing
+        probabilities differ by less than ``tie_margin``; from that position on the two are different
+        computations, so tests compare only the predictions made before it.
+        """
+        self.model.load_state_dict(self.base_state)
+        for adapter_dir in adapter_dirs:
+            self._merge(adapter_dir)
+        router_logits = []
+        hooks = [layer.mlp.gate.register_forward_pre_hook(
+            lambda m, a: router_logits.append(a[0].reshape(-1, a[0].shape[-1]).float() @ m.weight.float().T))
+            for layer in self.model.model.layers if hasattr(layer.mlp, "gate")]
+        try:
+            logits = self.model(torch.tensor([ids])).logits[0].float()
+        finally:
+            for h in hooks:
+                h.remove()
+        k = self.model.config.num_experts_per_tok
+        first_tie = len(ids)
+        for layer_logits in router_logits:
+            p = torch.softmax(layer_logits, -1).sort(-1, descending=True).values
+            ties = ((p[:, k - 1] - p[:, k]) < tie_margin).nonzero()
+            if len(ties):
+                first_tie = min(first_tie, int(ties[0]))
+        logp = torch.log_softmax(logits, dim=-1)
+        return [float(logp[i - 1, ids[i]]) for i in range(start, len(ids))], first_tie

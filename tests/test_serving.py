@@ -1,0 +1,239 @@
+"""End-to-end: stock ``python -m sglang.launch_server`` + the kt_serve plugin on CPU, queried with ``openai``.
+
+Every served logprob is compared with an fp32 HF transformers reference with the LoRA merged in plain torch
+(tests/serving_reference.py), within TOL nats. Four server start-ups in all (module-scoped fixtures):
+Qwen3-MoE with composite adapters, Qwen3-MoE with a global --kt-expert-lora-path, Qwen2-MoE (shared expert), and
+a refused start (mismatched expert adapter).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+
+import openai
+import pytest
+
+from kt_serve.server import ServerStartError, SGLangServer
+from kt_serve.tiny_model import build_tiny_moe
+from serving_reference import HFReference, write_expert_peft_adapter, write_kt_adapter
+
+TOL = 0.02  # nats; bf16 serving vs fp32 reference (notes: 0.001-0.013 observed)
+MIN_EFFECT = 0.2  # an adapter must move some logprob by more than this, else a no-op adapter would pass
+PROMPT_LEN = 5
+MAX_TOKENS = 6
+LORA_ARGS = ["--enable-lora", "--lora-backend", "torch_native", "--max-loras-per-batch", "4",
+             "--max-running-requests", "8"]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("serving")
+
+
+@pytest.fixture(scope="module")
+def qwen3(workdir):
+    model = str(build_tiny_moe(workdir / "qwen3", "qwen3_moe"))
+    adapters = {
+        "both": write_kt_adapter(workdir / "both", model, seed=1),                       # attention + experts
+        "attn": write_kt_adapter(workdir / "attn", model, seed=2, experts=False),        # non-expert only
+        "both2": write_kt_adapter(workdir / "both2", model, seed=3),
+        "global": write_expert_peft_adapter(workdir / "global", model, seed=4),          # expert only
+    }
+    ref = HFReference(model)
+    sets = [[], [adapters["attn"]], [adapters["both"]], [adapters["both2"]], [adapters["global"]],
+            [adapters["attn"], adapters["global"]]]
+    return model, adapters, ref, pick_prompts(ref, sets)
+
+
+def pick_prompts(ref, adapter_sets, n=3, seed=0):
+    """Prompts whose routing has no reference near-tie under any of the adapter sets (see logprobs_and_routing):
+    past a near-tie the bf16 server may route differently, so such a prompt would leave nothing to compare."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = []
+    while len(prompts) < n:
+        prompt = torch.randint(3, 1000, (PROMPT_LEN,), generator=g).tolist()
+        if all(ref.logprobs_and_routing(prompt, 1, dirs)[1] >= PROMPT_LEN for dirs in adapter_sets):
+            prompts.append(prompt)
+    return prompts
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", timeout=120, max_retries=0)
+
+
+def complete(server, model: str, prompt: list[int]):
+    """Greedy completion: (token ids, per-token logprobs)."""
+    r = client(server).completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                          logprobs=1, extra_body={"return_token_ids": True})
+    choice = r.choices[0]
+    return list(choice.token_ids), list(choice.logprobs.token_logprobs)
+
+
+def assert_matches_reference(ref, prompt, ids, logprobs, adapter_dirs):
+    """Every served logprob predicted before the reference's first routing near-tie is within TOL."""
+    want, first_tie = ref.logprobs_and_routing(prompt + ids, len(prompt), adapter_dirs)
+    compared = [(a, b) for i, (a, b) in enumerate(zip(logprobs, want)) if len(prompt) + i - 1 < first_tie]
+    assert compared, f"routing near-tie inside the prompt (position {first_tie}); pick another prompt"
+    diff = max(abs(a - b) for a, b in compared)
+    assert diff < TOL, (f"served {logprobs} vs reference {want} (max diff {diff:.4f} over {len(compared)} "
+                        f"tokens, adapters {adapter_dirs})")
+    return want
+
+
+# -- server 1: Qwen3-MoE, composite adapters per request, dynamic load/unload ---------------------------------
+@pytest.fixture(scope="module")
+def server_q3(qwen3):
+    model, adapters, _, _ = qwen3
+    args = LORA_ARGS + ["--lora-paths", f"both={adapters['both']}", f"attn={adapters['attn']}"]
+    with SGLangServer(model, args) as server:
+        yield server
+
+
+@pytest.mark.parametrize("name", [None, "attn", "both"])
+def test_per_request_adapter_matches_reference(server_q3, qwen3, name):
+    model, adapters, ref, prompts = qwen3
+    served = model if name is None else f"{model}:{name}"
+    dirs = [] if name is None else [adapters[name]]
+    prompt = prompts[0]
+    ids, logprobs = complete(server_q3, served, prompt)
+    assert_matches_reference(ref, prompt, ids, logprobs, dirs)
+    if name is not None:  # the adapter really acted
+        base = ref.logprobs(prompt + ids, len(prompt), [])
+        assert max(abs(a - b) for a, b in zip(logprobs, base)) > MIN_EFFECT
+
+
+def test_expert_half_is_applied(server_q3, qwen3):
+    """':both' differs from the same adapter without its expert half (attention-only reference)."""
+    model, adapters, ref, prompts = qwen3
+    prompt = prompts[1]
+    ids, logprobs = complete(server_q3, f"{model}:both", prompt)
+    assert_matches_reference(ref, prompt, ids, logprobs, [adapters["both"]])
+    # reference without the experts: the non-expert half only, merged from a PEFT dir written by the test
+    from kt_serve.formats import load_adapter_dir, write_peft_adapter
+
+    half = load_adapter_dir(adapters["both"])
+    nonexpert_dir = write_peft_adapter(adapters["both"].parent / "both_nonexpert", half.nonexpert,
+                                       {"r": half.rank, "lora_alpha": half.alpha}, overwrite=True)
+    without_experts = ref.logprobs(prompt + ids, len(prompt), [nonexpert_dir])
+    assert max(abs(a - b) for a, b in zip(logprobs, without_experts)) > MIN_EFFECT
+
+
+def test_concurrent_mixed_batch_equals_sequential(server_q3, qwen3):
+    model, adapters, ref, prompts = qwen3
+    jobs = [(name, tuple(prompt)) for prompt in prompts for name in (None, "attn", "both")]
+
+    def run(job):
+        name, prompt = job
+        return complete(server_q3, model if name is None else f"{model}:{name}", list(prompt))
+
+    sequential = {job: run(job) for job in jobs}
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        futures = {job: pool.submit(run, job) for job in jobs}
+        concurrent_results = {job: f.result() for job, f in futures.items()}
+    for job in jobs:
+        (seq_ids, seq_lp), (con_ids, con_lp) = sequential[job], concurrent_results[job]
+        assert con_ids == seq_ids, job
+        assert max(abs(a - b) for a, b in zip(con_lp, seq_lp)) < TOL, job
+        name, prompt = job
+        assert_matches_reference(ref, list(prompt), con_ids, con_lp, [] if name is None else [adapters[name]])
+
+
+def test_unknown_adapter_is_4xx_and_server_keeps_serving(server_q3, qwen3):
+    model, _, _, prompts = qwen3
+    with pytest.raises(openai.APIStatusError) as err:
+        complete(server_q3, f"{model}:no_such_adapter", prompts[0])
+    assert 400 <= err.value.status_code < 500
+    complete(server_q3, model, prompts[0])
+
+
+def test_dynamic_load_unload_composite_under_traffic(server_q3, qwen3, workdir):
+    model, adapters, ref, prompts = qwen3
+    prompt = prompts[2]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        traffic = [pool.submit(complete, server_q3, f"{model}:both", prompt) for _ in range(4)]
+        status, body = server_q3.post("/load_lora_adapter", {"lora_name": "dyn", "lora_path": str(adapters["both2"])})
+        assert status == 200 and body.get("success"), body
+        for f in traffic:
+            ids, logprobs = f.result()
+            assert_matches_reference(ref, prompt, ids, logprobs, [adapters["both"]])
+    ids, logprobs = complete(server_q3, f"{model}:dyn", prompt)
+    assert_matches_reference(ref, prompt, ids, logprobs, [adapters["both2"]])
+    status, body = server_q3.post("/unload_lora_adapter", {"lora_name": "dyn"})
+    assert status == 200 and body.get("success"), body
+    # the slot is free again: reload under another name works and gives the same numbers
+    status, body = server_q3.post("/load_lora_adapter", {"lora_name": "dyn2", "lora_path": str(adapters["both2"])})
+    assert status == 200 and body.get("success"), body
+    assert complete(server_q3, f"{model}:dyn2", prompt)[0] == ids
+
+
+def test_corrupt_adapter_load_is_4xx_and_nothing_half_loaded(server_q3, qwen3, workdir):
+    model, adapters, ref, prompts = qwen3
+    bad = workdir / "corrupt"
+    bad.mkdir()
+    for f in adapters["both"].iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    fused = bad / "fused_expert_lora.safetensors"
+    fused.write_bytes(fused.read_bytes()[: fused.stat().st_size // 2])  # truncated expert file
+    status, body = server_q3.post("/load_lora_adapter", {"lora_name": "bad", "lora_path": str(bad)})
+    assert 400 <= status < 500 and not body.get("success", False), body
+    with pytest.raises(openai.APIStatusError):
+        complete(server_q3, f"{model}:bad", prompts[0])
+    ids, logprobs = complete(server_q3, f"{model}:both", prompts[0])
+    assert_matches_reference(ref, prompts[0], ids, logprobs, [adapters["both"]])
+
+
+# -- server 2: Qwen3-MoE with a global expert adapter -------------------------------------------------------
+@pytest.fixture(scope="module")
+def server_q3_global(qwen3):
+    model, adapters, _, _ = qwen3
+    args = ["--kt-expert-lora-path", str(adapters["global"]), "--kt-threads", "1"] + LORA_ARGS + [
+        "--lora-paths", f"attn={adapters['attn']}", f"both={adapters['both']}"]
+    with SGLangServer(model, args) as server:
+        yield server
+
+
+@pytest.mark.parametrize("name, expected", [(None, ["global"]), ("attn", ["attn", "global"]), ("both", ["both"])])
+def test_global_expert_adapter(server_q3_global, qwen3, name, expected):
+    """Base requests get the global expert adapter; a non-expert adapter adds to it; a composite replaces it."""
+    model, adapters, ref, prompts = qwen3
+    prompt = prompts[1]
+    ids, logprobs = complete(server_q3_global, model if name is None else f"{model}:{name}", prompt)
+    assert_matches_reference(ref, prompt, ids, logprobs, [adapters[k] for k in expected])
+
+
+# -- server 3: Qwen2-MoE (shared expert + sigmoid gate); shared-expert LoRA must not wrap FusedMoE -------------
+@pytest.fixture(scope="module")
+def qwen2(workdir):
+    model = str(build_tiny_moe(workdir / "qwen2", "qwen2_moe"))
+    both = write_kt_adapter(workdir / "q2both", model, seed=5, shared_expert=True)
+    ref = HFReference(model)
+    return model, both, ref, pick_prompts(ref, [[], [both]], n=1)
+
+
+@pytest.fixture(scope="module")
+def server_q2(qwen2):
+    model, both, _, _ = qwen2
+    with SGLangServer(model, LORA_ARGS + ["--lora-paths", f"both={both}"]) as server:
+        yield server
+
+
+@pytest.mark.parametrize("with_adapter", [False, True])
+def test_qwen2_moe_shared_expert(server_q2, qwen2, with_adapter):
+    model, both, ref, (prompt,) = qwen2
+    ids, logprobs = complete(server_q2, f"{model}:both" if with_adapter else model, prompt)
+    assert_matches_reference(ref, prompt, ids, logprobs, [both] if with_adapter else [])
+
+
+# -- refused start-up ---------------------------------------------------------------------------------------
+def test_mismatched_expert_adapter_refused_at_start(qwen3, workdir):
+    model, _, _, prompts = qwen3
+    other = build_tiny_moe(workdir / "qwen3_wide", "qwen3_moe", moe_intermediate_size=32)
+    wrong = write_expert_peft_adapter(workdir / "wrong_shape", other, seed=6)
+    with pytest.raises(ServerStartError) as err:
+        with SGLangServer(model, ["--kt-expert-lora-path", str(wrong)], startup_timeout=180):
+            pass
+    message = str(err.value)
+    assert "layer 0" in message and "[8, 32, 4]" in message and "[8, 64, 4]" in message, message[-2000:]
