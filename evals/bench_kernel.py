@@ -3,7 +3,9 @@
 
     python evals/bench_kernel.py [--tokens 1 8 64 512] [--json FILE] [--threads N]
 
-Default shape: H=2048, I=768, E=64, top-8, r=8 (Qwen3-30B-A3B's experts). Times are min / median over repeats;
+Default shape: H=2048, I=768, E=64, top-8, r=8 (Qwen3-30B-A3B's experts). Each implementation gets ``--layers``
+independent weight sets and cycles through them call by call, as a model does, so the weights are not served
+from a cache larger than one layer (this machine's L3 can hold most of one). Times are min / median over repeats;
 ``vs_*`` = baseline time / our time (above 1 means kt_serve is faster). The roofline is max(bytes of the experts
 touched / measured memory bandwidth, FLOPs / measured bf16 GEMM peak), both measured here with torch.
 """
@@ -95,13 +97,13 @@ def torch_loop(x, ids, w, gate, up, down, lora, scale):
 class KTKernel:
     """kt-kernel 0.7.2's SFT MoE (AMXSFTMoEWrapper), when importable."""
 
-    def __init__(self, gate, up, down, lora, alpha, T_max, threads):
+    def __init__(self, gate, up, down, lora, alpha, T_max, threads, topk):
         from kt_kernel.sft.amx import AMXSFTMoEWrapper
 
         E, I, H = gate.shape
         r = lora["gate_a"].shape[1]
         self.w = AMXSFTMoEWrapper(
-            layer_idx=0, num_experts=E, num_experts_per_tok=8, hidden_size=H, moe_intermediate_size=I,
+            layer_idx=0, num_experts=E, num_experts_per_tok=topk, hidden_size=H, moe_intermediate_size=I,
             num_gpu_experts=0, cpuinfer_threads=threads, threadpool_count=1, weight_path=None,
             chunked_prefill_size=T_max, lora_rank=r, lora_alpha=alpha, method="AMXBF16_SFT",
         )
@@ -122,9 +124,9 @@ class KTKernel:
         return self.w.backward(gy)
 
 
-def load_kt(gate, up, down, lora, alpha, T_max, threads):
+def load_kt(gate, up, down, lora, alpha, T_max, threads, topk):
     try:
-        return KTKernel(gate, up, down, lora, alpha, T_max, threads), None
+        return KTKernel(gate, up, down, lora, alpha, T_max, threads, topk), None
     except Exception as exc:  # not installed, or no usable build for this CPU
         return None, f"{type(exc).__name__}: {exc}"
 
@@ -142,6 +144,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--threads", type=int, default=0, help="0 = physical cores")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--layers", type=int, default=3, help="independent weight sets cycled call by call")
     ap.add_argument("--no-kt", action="store_true", help="skip kt-kernel even if installed")
     ap.add_argument("--json", help="also write the rows as JSON to this file")
     args = ap.parse_args(argv)
@@ -152,9 +155,8 @@ def main(argv=None) -> int:
     E, H, I, k, r = args.experts, args.hidden, args.intermediate, args.topk, args.rank
     alpha = 2.0 * r
     torch.manual_seed(0)
-    gate = (torch.randn(E, I, H) * 0.02).bfloat16()
-    up = (torch.randn(E, I, H) * 0.02).bfloat16()
-    down = (torch.randn(E, H, I) * 0.02).bfloat16()
+    L = args.layers
+    weights = [tuple((torch.randn(*s) * 0.02).bfloat16() for s in ((E, I, H), (E, I, H), (E, H, I))) for _ in range(L)]
     lora = {
         "gate_a": (torch.randn(E, r, H) * 0.02).bfloat16(), "gate_b": (torch.randn(E, I, r) * 0.02).bfloat16(),
         "up_a": (torch.randn(E, r, H) * 0.02).bfloat16(), "up_b": (torch.randn(E, I, r) * 0.02).bfloat16(),
@@ -163,17 +165,35 @@ def main(argv=None) -> int:
     lora_obj = ExpertLoRA(**lora, alpha=alpha)
 
     print(f"kt_serve kernel bench: H={H} I={I} E={E} top-{k} r={r}, {threads} threads, isa={cpu_isa()}, "
-          f"torch {torch.__version__}", flush=True)
+          f"{L} layers cycled, torch {torch.__version__}", flush=True)
+    load = os.getloadavg()[0]
+    if load > 0.5:
+        print(f"warning: load average {load:.2f} before the run: other processes will skew these figures", flush=True)
     bw, peak = measure_bandwidth_gbs(), measure_bf16_peak_gflops()
     print(f"machine: read bandwidth {bw:.1f} GB/s, torch bf16 GEMM {peak:.0f} GFLOP/s", flush=True)
 
-    ours = MoEExperts(gate, up, down, max_tokens=max(args.tokens))
-    ours.set_adapter(0, lora_obj)
     grads = ExpertLoRA(*(torch.zeros(v.shape) for v in lora.values()), alpha=alpha)
-    ours.set_grad_buffers(0, grads)
-    kt, kt_err = (None, "skipped (--no-kt)") if args.no_kt else load_kt(gate, up, down, lora, alpha, max(args.tokens), threads)
-    if kt is None:
+    ours = []
+    for gate, up, down in weights:
+        m = MoEExperts(gate, up, down, max_tokens=max(args.tokens))
+        m.set_adapter(0, lora_obj)
+        m.set_grad_buffers(0, grads)
+        ours.append(m)
+    kts, kt_err = [], "skipped (--no-kt)"
+    if not args.no_kt:
+        for gate, up, down in weights:
+            kt, kt_err = load_kt(gate, up, down, lora, alpha, max(args.tokens), threads, k)
+            if kt is None:
+                kts = []
+                break
+            kts.append(kt)
+    if not kts:
         print(f"kt-kernel: not measured ({kt_err})", flush=True)
+    cycle = {"ours": 0, "torch": 0, "kt": 0}
+
+    def next_layer(name):
+        cycle[name] = (cycle[name] + 1) % L
+        return cycle[name]
     tl = {n: v.clone().requires_grad_(True) for n, v in lora.items()}
 
     rows = []
@@ -188,24 +208,31 @@ def main(argv=None) -> int:
         rep = args.repeats if T <= 64 else max(3, args.repeats // 2)
 
         def ours_fwd():
-            ours.forward_sft(x, ids, w, slots=0)
+            ours[next_layer("ours")].forward_sft(x, ids, w, slots=0)
 
         def ours_fb():
-            ours.forward_sft(x, ids, w, save_for_backward=True, slots=0)
-            ours.backward(gy)
+            m = ours[next_layer("ours")]
+            m.forward_sft(x, ids, w, save_for_backward=True, slots=0)
+            m.backward(gy)
 
         def torch_fwd():
             with torch.no_grad():
-                torch_loop(x, ids, w, gate, up, down, lora, alpha / r)
+                torch_loop(x, ids, w, *weights[next_layer("torch")], lora, alpha / r)
 
         def torch_fb():
             xs = x.clone().requires_grad_(True)
             ws = w.clone().requires_grad_(True)
-            torch_loop(xs, ids, ws, gate, up, down, tl, alpha / r).backward(gy)
+            torch_loop(xs, ids, ws, *weights[next_layer("torch")], tl, alpha / r).backward(gy)
+
+        def kt_fwd():
+            kts[next_layer("kt")].forward(x, ids, w)
+
+        def kt_fb():
+            kts[next_layer("kt")].fwd_bwd(x, ids, w, gy)
 
         for op, fn_ours, fn_torch, fn_kt in (
-            ("fwd", ours_fwd, torch_fwd, (lambda: kt.forward(x, ids, w)) if kt else None),
-            ("fwd_bwd", ours_fb, torch_fb, (lambda: kt.fwd_bwd(x, ids, w, gy)) if kt else None),
+            ("fwd", ours_fwd, torch_fwd, kt_fwd if kts else None),
+            ("fwd_bwd", ours_fb, torch_fb, kt_fb if kts else None),
         ):
             o_min, o_med = timeit(fn_ours, rep)
             t_min, t_med = timeit(fn_torch, rep)

@@ -1,39 +1,41 @@
-"""Independent fp32 reference for the routed-expert LoRA math (plain per-expert loop; autograd for gradients)."""
+"""Independent fp32 reference for the routed-expert LoRA math: a plain per-expert loop in torch (autograd gives
+the gradients). Shares no code with kt_serve."""
 
 import torch
 import torch.nn.functional as F
 
 
 def moe_lora_reference(x, ids, weights, gate, up, down, lora=None, slots=None, loras=None):
-    """fp32 ``out[t] = Σ_k w[t,k] expert(x[t])``.
+    """fp32 ``out[t] = Σ_k w[t,k] expert_{ids[t,k]}(x[t])``, ids < 0 or >= E skipped.
 
-    gate/up ``[E,I,H]``, down ``[E,H,I]``. ``lora``: dict of the six KT-layout tensors + "alpha" applied to every
-    token, or ``loras`` (a list) with per-token ``slots`` (-1 = base only). All math in fp32.
+    gate/up ``[E,I,H]``, down ``[E,H,I]``. ``lora``: dict of the six KT-layout tensors (``gate_lora_a`` …) and
+    ``"alpha"``, applied to every token; or ``loras`` (slot -> such a dict) with per-token ``slots`` (-1 = base).
     """
     x = x.float()
     E = gate.shape[0]
-    out = torch.zeros_like(x)
     T, K = ids.shape
-    for t in range(T):
-        if loras is not None:
-            s = int(slots[t])
-            lo = loras[s] if s >= 0 else None
-        else:
-            lo = lora
-        for j in range(K):
-            e = int(ids[t, j])
-            if e < 0 or e >= E:
-                continue
-            xt = x[t : t + 1]
-            g = xt @ gate[e].float().T
-            u = xt @ up[e].float().T
+    if loras is None:
+        slots = torch.zeros(T, dtype=torch.long)
+        loras = {0: lora}
+    out = torch.zeros_like(x)
+    tok = torch.arange(T).repeat_interleave(K)
+    flat_ids, flat_w = ids.reshape(-1).long(), weights.reshape(-1)
+    flat_slot = slots.long()[tok]
+    for e in range(E):
+        for s in flat_slot[flat_ids == e].unique().tolist():
+            sel = (flat_ids == e) & (flat_slot == s)
+            t = tok[sel]
+            lo = loras.get(s) if s >= 0 else None
+            xe = x[t]
+            g = xe @ gate[e].float().T
+            u = xe @ up[e].float().T
             if lo is not None:
-                s_ = lo["alpha"] / lo["gate_lora_a"].shape[1]
-                g = g + s_ * (xt @ lo["gate_lora_a"][e].float().T) @ lo["gate_lora_b"][e].float().T
-                u = u + s_ * (xt @ lo["up_lora_a"][e].float().T) @ lo["up_lora_b"][e].float().T
+                sc = lo["alpha"] / lo["gate_lora_a"].shape[1]
+                g = g + sc * (xe @ lo["gate_lora_a"][e].float().T) @ lo["gate_lora_b"][e].float().T
+                u = u + sc * (xe @ lo["up_lora_a"][e].float().T) @ lo["up_lora_b"][e].float().T
             h = F.silu(g) * u
             y = h @ down[e].float().T
             if lo is not None:
-                y = y + s_ * (h @ lo["down_lora_a"][e].float().T) @ lo["down_lora_b"][e].float().T
-            out[t] = out[t] + weights[t, j].float() * y[0]
+                y = y + sc * (h @ lo["down_lora_a"][e].float().T) @ lo["down_lora_b"][e].float().T
+            out = out.index_add(0, t, flat_w[sel].float()[:, None] * y)
     return out
