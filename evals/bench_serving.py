@@ -9,7 +9,9 @@ Rows (each its own server start, same random model):
   kt expert     ... with --kt-expert-lora-path (every request gets the expert LoRA)
   kt mixed      ... --enable-lora with two composite adapters; requests cycle base / :a / :b
 Decode tok/s = completion tokens / wall time of N concurrent greedy streams (ignore_eos); ratios are against the
-"kt base" and "sglang" rows of the same run. Peak RSS sums every process of the server's session.
+"kt base" and "sglang" rows of the same run. Latency: p50/p90/p99 of request latency and of per-token time
+(request latency / completion tokens). Peak RSS sums every process of the server's session.
+Writes OUT/bench_serving.{json,md,png} (evals/report.py) besides printing the table.
 """
 
 from __future__ import annotations
@@ -24,12 +26,15 @@ import time
 from pathlib import Path
 
 import psutil
+import statistics
 
 from kt_serve.server import SGLangServer
 from kt_serve.tiny_model import build_tiny_moe
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from serving_reference import write_expert_peft_adapter, write_kt_adapter  # noqa: E402
+from evals.report import write_report  # noqa: E402
 
 
 class PeakRSS:
@@ -59,19 +64,34 @@ class PeakRSS:
         return self.peak
 
 
-def decode_tps(server, models: list[str], streams: int, tokens: int, prompt: list[int]) -> float:
+def percentile(values: list[float], q: float) -> float:
+    v = sorted(values)
+    return v[min(len(v) - 1, max(0, round(q / 100 * (len(v) - 1))))]
+
+
+def decode_run(server, models: list[str], streams: int, tokens: int, prompt: list[int], rounds: int = 2) -> dict:
+    """`rounds` waves of `streams` concurrent greedy requests; tok/s over the waves and latency percentiles."""
     body = lambda m: {"model": m, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
 
     def one(i):
+        t0 = time.perf_counter()
         status, r = server.post("/v1/completions", body(models[i % len(models)]), timeout=600)
-        assert status == 200, r
-        return r["usage"]["completion_tokens"]
+        if status != 200:
+            raise RuntimeError(f"request for {models[i % len(models)]} failed: HTTP {status} {r}")
+        return r["usage"]["completion_tokens"], time.perf_counter() - t0
 
     one(0)  # warm-up
+    results = []
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(streams) as pool:
-        n = sum(pool.map(one, range(streams)))
-    return n / (time.perf_counter() - start)
+        for _ in range(rounds):
+            results += list(pool.map(one, range(streams)))
+    wall = time.perf_counter() - start
+    lat = [t for _, t in results]
+    per_tok = [t / max(n, 1) * 1e3 for n, t in results]
+    return {"tok_s": sum(n for n, _ in results) / wall,
+            "lat_p50_s": percentile(lat, 50), "lat_p90_s": percentile(lat, 90), "lat_p99_s": percentile(lat, 99),
+            "ms_per_tok_p50": statistics.median(per_tok), "ms_per_tok_p99": percentile(per_tok, 99)}
 
 
 def main(argv=None):
@@ -107,21 +127,33 @@ def main(argv=None):
                               max_total_tokens=8192, log_path=out / f"{name.replace(' ', '_')}.log")
         with server:
             rss = PeakRSS(server.proc.pid)
-            tps = {s: decode_tps(server, models, s, a.tokens, prompt) for s in a.streams}
-            results[name] = (tps, rss.stop())
-        print(f"{name}: {tps} peak RSS {results[name][1] / 2**30:.2f} GiB", flush=True)
+            runs = {s: decode_run(server, models, s, a.tokens, prompt) for s in a.streams}
+            results[name] = (runs, rss.stop())
+        print(f"{name}: " + ", ".join(f"{s} streams {r['tok_s']:.1f} tok/s" for s, r in runs.items()) +
+              f", peak RSS {results[name][1] / 2**30:.2f} GiB", flush=True)
 
-    cols = " | ".join(f"{s} stream{'s' if s > 1 else ''} tok/s" for s in a.streams)
-    print(f"\nmodel: hidden {a.hidden}, moe_intermediate {a.moe_intermediate}, {a.experts} experts top-{a.top_k}, "
-          f"{a.layers} layers; {a.tokens} tokens per stream; {os.cpu_count()} CPUs")
-    print(f"| row | {cols} | vs kt base | vs sglang | peak RSS GiB |")
-    print("|---|" + "---|" * (len(a.streams) + 3))
-    for name, (tps, rss) in results.items():
-        s_max = max(a.streams)
-        vs_base = tps[s_max] / results["kt base"][0][s_max] if "kt base" in results else float("nan")
-        vs_sgl = tps[s_max] / results["sglang"][0][s_max] if "sglang" in results else float("nan")
-        print(f"| {name} | " + " | ".join(f"{tps[s]:.1f}" for s in a.streams) +
-              f" | {vs_base:.2f}x | {vs_sgl:.2f}x | {rss / 2**30:.2f} |")
+    rows = []
+    for name, (runs, rss) in results.items():
+        for s, r in runs.items():
+            base = results.get("kt base", (None,))[0]
+            sgl = results.get("sglang", (None,))[0]
+            rows.append({"row": name, "streams": s, "tok_s": round(r["tok_s"], 1),
+                         "vs_kt_base": round(r["tok_s"] / base[s]["tok_s"], 3) if base else None,
+                         "vs_sglang": round(r["tok_s"] / sgl[s]["tok_s"], 3) if sgl else None,
+                         "lat_p50_s": round(r["lat_p50_s"], 3), "lat_p99_s": round(r["lat_p99_s"], 3),
+                         "ms_per_tok_p50": round(r["ms_per_tok_p50"], 2), "ms_per_tok_p99": round(r["ms_per_tok_p99"], 2),
+                         "peak_rss_gib": round(rss / 2**30, 2)})
+    desc = (f"model: hidden {a.hidden}, moe_intermediate {a.moe_intermediate}, {a.experts} experts top-{a.top_k}, "
+            f"{a.layers} layers; {a.tokens} tokens per stream; {os.cpu_count()} CPUs")
+    print("\n" + desc)
+    keys = list(rows[0])
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    for r in rows:
+        print("| " + " | ".join("n/a" if r[k] is None else str(r[k]) for k in keys) + " |")
+    paths = write_report(out, "bench_serving", rows, title="kt_serve serving benchmark", chart=("streams", "tok_s", "row"),
+                         meta={"config": desc})
+    print(f"report: {paths['md']}")
 
 
 if __name__ == "__main__":

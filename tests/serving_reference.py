@@ -21,16 +21,29 @@ EXPERT_SHAPES = {  # KT fused layout: name -> shape from (E, H, I, r)
 
 
 def model_dims(model_dir) -> dict:
+    """Expert sizes, and the (fan_in, fan_out) of the non-expert modules an adapter may target."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     E = cfg.get("num_experts") or cfg.get("n_routed_experts") or cfg.get("num_local_experts")
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return dict(E=E, H=cfg["hidden_size"], I=cfg["moe_intermediate_size"], L=cfg["num_hidden_layers"],
-                q_out=cfg["num_attention_heads"] * head_dim, kv_out=cfg["num_key_value_heads"] * head_dim,
-                shared_I=cfg.get("shared_expert_intermediate_size"))
+    H, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    if "kv_lora_rank" in cfg:
+        # DeepSeek MLA: o_proj only. SGLang's kv_b_proj LoRA in the absorbed MLA path is Triton-only (no CPU
+        # driver) and it normalises q_proj to qkv_proj, which MLA does not have.
+        attention = {"self_attn.o_proj": (heads * cfg["v_head_dim"], H)}
+        shared = "mlp.shared_experts", cfg["moe_intermediate_size"] * (cfg.get("n_shared_experts") or 0)
+    else:
+        head_dim = cfg.get("head_dim") or H // heads
+        q_out, kv_out = heads * head_dim, cfg["num_key_value_heads"] * head_dim
+        attention = {"self_attn.q_proj": (H, q_out), "self_attn.v_proj": (H, kv_out), "self_attn.o_proj": (q_out, H)}
+        shared = "mlp.shared_expert", cfg.get("shared_expert_intermediate_size") or 0
+    prefix, shared_I = shared
+    shared_modules = {f"{prefix}.gate_proj": (H, shared_I), f"{prefix}.up_proj": (H, shared_I),
+                      f"{prefix}.down_proj": (shared_I, H)} if shared_I else {}
+    return dict(E=E, H=H, I=cfg["moe_intermediate_size"], L=cfg["num_hidden_layers"], attention=attention,
+                shared_expert=shared_modules)
 
 
 def random_adapter(model_dir, *, seed: int, rank: int = 4, attention: bool = True, experts: bool = True,
-                   shared_expert: bool = False, scale: float = 0.15):
+                   shared_expert: bool = False, scale: float = 0.1):
     """(nonexpert PEFT tensors keyed model.layers..., experts {layer: {kt name: tensor}}) with visible effect."""
     d = model_dims(model_dir)
     g = torch.Generator().manual_seed(seed)
@@ -38,16 +51,11 @@ def random_adapter(model_dir, *, seed: int, rank: int = 4, attention: bool = Tru
     def rnd(*shape):
         return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
 
+    if shared_expert and not d["shared_expert"]:
+        raise ValueError(f"{model_dir}: the model has no shared expert")
+    modules = {**(d["attention"] if attention else {}), **(d["shared_expert"] if shared_expert else {})}
     nonexpert, expert = {}, {}
     for layer in range(d["L"]):
-        modules = {}
-        if attention:
-            modules.update({f"self_attn.q_proj": (d["H"], d["q_out"]), f"self_attn.v_proj": (d["H"], d["kv_out"]),
-                            f"self_attn.o_proj": (d["q_out"], d["H"])})
-        if shared_expert:
-            si = d["shared_I"]
-            modules.update({"mlp.shared_expert.gate_proj": (d["H"], si), "mlp.shared_expert.up_proj": (d["H"], si),
-                            "mlp.shared_expert.down_proj": (si, d["H"])})
         for module, (fan_in, fan_out) in modules.items():
             nonexpert[f"model.layers.{layer}.{module}.lora_A.weight"] = rnd(rank, fan_in)
             nonexpert[f"model.layers.{layer}.{module}.lora_B.weight"] = rnd(fan_out, rank)
@@ -84,6 +92,25 @@ def write_expert_peft_adapter(out_dir, model_dir, *, seed: int, rank: int = 4, a
               "down_proj"], "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM",
               "base_model_name_or_path": str(model_dir)}
     return write_peft_adapter(out_dir, tensors, config, overwrite=True)
+
+
+def routing_margin(router_logits, config) -> torch.Tensor:
+    """Per token, the smallest gap between the last chosen and the first rejected softmax score over the routing's
+    selection steps: the top-k experts, preceded by the top ``topk_group`` groups (scored by their best expert)
+    for DeepSeek's group_limited_greedy."""
+    k = config.num_experts_per_tok
+    p = torch.softmax(router_logits.float(), -1)
+    margins = []
+    if getattr(config, "topk_method", None) == "group_limited_greedy":
+        n_group, topk_group = config.n_group, config.topk_group
+        group_scores = p.view(p.shape[0], n_group, -1).amax(-1)
+        ranked = group_scores.sort(-1, descending=True).values
+        margins.append(ranked[:, topk_group - 1] - ranked[:, topk_group])
+        chosen = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(topk_group, -1).indices, 1.0)
+        p = p * chosen.repeat_interleave(p.shape[1] // n_group, dim=1)
+    ranked = p.sort(-1, descending=True).values
+    margins.append(ranked[:, k - 1] - ranked[:, k])
+    return torch.stack(margins).amin(0)
 
 
 class HFReference:
@@ -141,11 +168,11 @@ class HFReference:
 
     @torch.no_grad()
     def logprobs_and_routing(self, ids: list[int], start: int, adapter_dirs=(), tie_margin: float = 1e-3):
-        """(logprobs as above, first position whose top-k routing is a near tie in some layer, or len(ids)).
+        """(logprobs as above, first position whose routing is a near tie in some layer, or len(ids)).
 
-        A served bf16 model can pick the other expert where the reference's k-th and (k+1)-th routing
-        probabilities differ by less than ``tie_margin``; from that position on the two are different
-        computations, so tests compare only the predictions made before it.
+        A served bf16 model can pick another expert (or group) where the reference's last chosen and first
+        rejected routing probabilities differ by less than ``tie_margin`` (routing_margin); from that position on
+        the two are different computations, so tests compare only the predictions made before it.
         """
         self.model.load_state_dict(self.base_state)
         for adapter_dir in adapter_dirs:
@@ -159,11 +186,9 @@ class HFReference:
         finally:
             for h in hooks:
                 h.remove()
-        k = self.model.config.num_experts_per_tok
         first_tie = len(ids)
         for layer_logits in router_logits:
-            p = torch.softmax(layer_logits, -1).sort(-1, descending=True).values
-            ties = ((p[:, k - 1] - p[:, k]) < tie_margin).nonzero()
+            ties = (routing_margin(layer_logits, self.model.config) < tie_margin).nonzero()
             if len(ties):
                 first_tie = min(first_tie, int(ties[0]))
         logp = torch.log_softmax(logits, dim=-1)
