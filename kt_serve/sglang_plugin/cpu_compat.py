@@ -64,3 +64,17 @@ def gate_sigmoid_mul_cpu(original, hidden_states, gate_weight, shared_output, *a
         return original(hidden_states, gate_weight, shared_output, *args, **kwargs)
     gate = torch.sigmoid(hidden_states.float() @ gate_weight.float().reshape(-1, 1))
     return (gate * shared_output.float()).to(shared_output.dtype)
+
+
+def mla_handler_torch_native(original, registry, backend_name):
+    """AROUND DeepSeek's AttentionBackendRegistry.get_handler: absorbed MLA on the torch_native backend.
+
+    SGLang registers no DeepSeek handler for torch_native (the CPU default), so it falls back to Triton's, which
+    picks MHA for a prefill; torch_native's MHA then reads the MLA latent cache as per-head K and fails ("Expected
+    size ... [4, 32] but got: [4, 48]"). The absorbed MLA path, which decode uses anyway, reads that cache right.
+    """
+    if backend_name != "torch_native":
+        return original(registry, backend_name)
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
+
+    return lambda attn, forward_batch: AttnForwardMethod.MLA

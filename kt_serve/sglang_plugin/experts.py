@@ -95,7 +95,8 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
             E, H, I = self.shape
             expert_id = int(expert_id)
             if not 0 <= expert_id < E:
-                return  # e.g. fused shared experts addressed past the routed ones: not ours
+                raise ValueError(f"kt_serve: MoE layer {layer.layer_id}: checkpoint expert {expert_id} is outside "
+                                 f"the layer's {E} experts")
             if shard_id == "w2":
                 layer.w2_weight.data[expert_id].copy_(loaded_weight)
             else:

@@ -19,6 +19,8 @@ FUSED_MOE = "sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE"
 LORA_MANAGER = "sglang.srt.lora.lora_manager.LoRAManager"
 MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
 ELEMENTWISE = "sglang.kernels.ops.elementwise.elementwise"
+RUNTIME_CONTEXT = "sglang.srt.runtime_context"
+DEEPSEEK_ATTENTION = "sglang.srt.models.deepseek_common.attention_backend_handler.AttentionBackendRegistry"
 
 
 def register_hooks() -> None:
@@ -42,17 +44,36 @@ def _register_worker_hooks(HookRegistry, HookType) -> None:
                               HookType.AROUND)
         HookRegistry.register(f"{ELEMENTWISE}.fused_gate_sigmoid_mul", cpu_compat.gate_sigmoid_mul_cpu,
                               HookType.AROUND)
+        HookRegistry.register(f"{DEEPSEEK_ATTENTION}.get_handler", cpu_compat.mla_handler_torch_native,
+                              HookType.AROUND)
     config = get_config()
     if not config.enabled:
         return
     from . import lora_hooks
 
+    HookRegistry.register(f"{RUNTIME_CONTEXT}.publish", keep_shared_experts_separate, HookType.AFTER)
     HookRegistry.register(f"{FUSED_MOE}.__init__", fused_moe_init, HookType.BEFORE)
     HookRegistry.register(f"{MODEL_RUNNER}.load_model", after_load_model, HookType.AFTER)
     HookRegistry.register(f"{LORA_MANAGER}._load_lora_adapter", lora_hooks.load_lora_adapter, HookType.AROUND)
     HookRegistry.register(f"{LORA_MANAGER}._unload_lora_adapter", lora_hooks.unload_lora_adapter, HookType.AROUND)
     HookRegistry.register(f"{LORA_MANAGER}.prepare_lora_batch", lora_hooks.prepare_lora_batch, HookType.AFTER)
     HookRegistry.register(f"{LORA_MANAGER}.init_lora_modules", lora_hooks.init_lora_modules, HookType.AROUND)
+
+
+def keep_shared_experts_separate(context, server_args, *args, role=None, **kwargs):
+    """AFTER runtime_context.publish in a scheduler: no shared-expert fusion into the routed FusedMoE.
+
+    SGLang can fuse DeepSeek / Qwen2-MoE shared experts into FusedMoE as extra experts (by default for DeepSeek-V3
+    on CUDA). The kernel would then hold them as routed experts that expert adapters do not cover, and SGLang's LoRA
+    manager would lose its shared_experts target; kept separate, they run as SGLang's dense MLP (on the GPU).
+    """
+    if role != "scheduler":
+        return context
+    if server_args.enforce_shared_experts_fusion:
+        raise ValueError("--enforce-shared-experts-fusion: the kt_serve kernel runs routed experts only and keeps "
+                         "shared experts in SGLang's MLP; drop the flag or pass --kt-moe off")
+    context.override("kt_serve", disable_shared_experts_fusion=True)
+    return context
 
 
 _fused_moe_signature = None

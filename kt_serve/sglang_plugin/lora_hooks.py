@@ -34,6 +34,10 @@ def load_lora_adapter(original, manager, lora_ref, *args, **kwargs):
     if not get_config().enabled:
         return manager.create_lora_update_result(
             success=False, error_message=f"{lora_ref.lora_path}: routed-expert LoRA needs --kt-moe on")
+    from .experts import _is_compute_rank
+
+    if not _is_compute_rank():  # TP ranks > 0 hold no routed experts: only SGLang's half is theirs
+        return original(manager, msgspec.structs.replace(lora_ref, lora_path=sglang_path), *args, **kwargs)
     try:
         _registry().load(lora_ref.lora_id, adapter)
     except Exception as e:

@@ -1,0 +1,54 @@
+"""Server start-ups the kt_serve plugin refuses, each with a message that names the problem (real SGLang, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kt_serve.server import ServerStartError, SGLangServer
+from kt_serve.tiny_model import build_tiny_moe, build_tokenizer
+from serving_reference import write_expert_peft_adapter
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("serving_errors")
+
+
+@pytest.fixture(scope="module")
+def moe_model(workdir):
+    return build_tiny_moe(workdir / "qwen3_moe", "qwen3_moe")
+
+
+def build_tiny_dense(out_dir):
+    """A tiny dense Qwen3 (no MoE layer at all) with the offline tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False,
+                         bos_token_id=0, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(out_dir)
+    build_tokenizer(config.vocab_size).save_pretrained(out_dir)
+    return out_dir
+
+
+def start_error(model, args) -> str:
+    with pytest.raises(ServerStartError) as err:
+        with SGLangServer(model, args, startup_timeout=180):
+            pass
+    return str(err.value)
+
+
+def test_expert_adapter_on_dense_model_refused(workdir, moe_model):
+    dense = build_tiny_dense(workdir / "qwen3_dense")
+    adapter = write_expert_peft_adapter(workdir / "experts", moe_model, seed=1)
+    message = start_error(dense, ["--kt-expert-lora-path", str(adapter)])
+    assert f"--kt-expert-lora-path {adapter}: model {dense} has no MoE layers with routed experts" in message, \
+        message[-2000:]
+
+
+def test_enforced_shared_expert_fusion_refused(moe_model):
+    """Fused shared experts would land in the kernel as routed experts that expert adapters do not cover."""
+    message = start_error(moe_model, ["--enforce-shared-experts-fusion"])
+    assert "--enforce-shared-experts-fusion: the kt_serve kernel runs routed experts only" in message, message[-2000:]
