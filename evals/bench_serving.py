@@ -12,6 +12,10 @@ Decode tok/s = completion tokens / wall time of N concurrent greedy streams (ign
 "kt base" and "sglang" rows of the same run. Latency: p50/p90/p99 of request latency and of per-token time
 (request latency / completion tokens). Peak RSS sums every process of the server's session.
 Writes OUT/bench_serving.{json,md,png} (evals/report.py) besides printing the table.
+
+Before the servers, the MoE layer alone at the model's shape, in this process: SGLang's own CPU MoE path
+(``moe_forward_native``, what the CPU engine runs without AMX sgl_kernel ops) vs the kt_serve kernel, base and
+with an expert LoRA, at the decode batch sizes of the stream counts (``--moe-only`` runs just this part).
 """
 
 from __future__ import annotations
@@ -94,6 +98,58 @@ def decode_run(server, models: list[str], streams: int, tokens: int, prompt: lis
             "ms_per_tok_p50": statistics.median(per_tok), "ms_per_tok_p99": percentile(per_tok, 99)}
 
 
+def moe_layer_bench(a) -> list[dict]:
+    """ms per MoE-layer call at T = stream counts: SGLang's moe_forward_native vs MoEExperts (same weights)."""
+    import torch
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.moe.fused_moe_native import moe_forward_native
+    from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+
+    from kt_serve.kernel import ExpertLoRA, MoEExperts, num_threads
+
+    E, H, I, k, r = a.experts, a.hidden, a.moe_intermediate, a.top_k, 8
+    torch.set_num_threads(num_threads())
+    g = torch.Generator().manual_seed(0)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) * 0.02).bfloat16()
+    w2 = (torch.randn(E, H, I, generator=g) * 0.02).bfloat16()
+    layer = SimpleNamespace(num_experts=E, w13_weight=w13, w2_weight=w2)
+    cfg = MoeRunnerConfig(num_experts=E, top_k=k, activation="silu")
+    ours = MoEExperts(gate_up_proj=w13, down_proj=w2)
+    shapes = [(E, r, H), (E, I, r), (E, r, H), (E, I, r), (E, r, I), (E, H, r)]
+    ours.set_adapter(0, ExpertLoRA(*((torch.randn(*s, generator=g) * 0.02).bfloat16() for s in shapes), alpha=16.0))
+    rows = []
+    for T in a.streams:
+        x = torch.randn(T, H, generator=g).bfloat16()
+        w, ids = torch.softmax(torch.randn(T, E, generator=g), -1).topk(k, -1)
+        w, ids = w.float().contiguous(), ids.to(torch.int32).contiguous()
+        topk = StandardTopKOutput(w, ids, None)
+
+        def best(fn, n=20):
+            fn()
+            times = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+            return min(times)
+
+        with torch.no_grad():
+            sgl = best(lambda: moe_forward_native(layer, x, topk, cfg))
+        base = best(lambda: ours.forward_sft(x, ids, w))
+        lora = best(lambda: ours.forward_sft(x, ids, w, slots=0))
+        rows.append({"T": T, "sglang_ms": round(sgl, 3), "kt_ms": round(base, 3), "kt_lora_ms": round(lora, 3),
+                     "kt_vs_sglang": round(sgl / base, 2), "kt_lora_vs_sglang": round(sgl / lora, 2)})
+    print(f"\nMoE layer alone (H={H}, I={I}, E={E}, top-{k}; expert LoRA r={r}; {num_threads()} threads):")
+    print("| T | SGLang moe_forward_native ms | kt_serve ms | kt_serve + expert LoRA ms | speed-up | speed-up with LoRA |")
+    print("|---|---|---|---|---|---|")
+    for r_ in rows:
+        print(f"| {r_['T']} | {r_['sglang_ms']} | {r_['kt_ms']} | {r_['kt_lora_ms']} | {r_['kt_vs_sglang']}x | "
+              f"{r_['kt_lora_vs_sglang']}x |", flush=True)
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
@@ -105,8 +161,12 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--rows", nargs="+", default=["sglang", "kt base", "kt expert", "kt mixed"])
+    ap.add_argument("--moe-only", action="store_true", help="only the in-process MoE-layer comparison")
     a = ap.parse_args(argv)
     out = Path(a.out or tempfile.mkdtemp(prefix="kt_bench_"))
+    moe_rows = moe_layer_bench(a)
+    if a.moe_only:
+        return
     model = str(build_tiny_moe(out / "model", "qwen3_moe", hidden_size=a.hidden, moe_intermediate_size=a.moe_intermediate,
                                num_experts=a.experts, top_k=a.top_k, num_layers=a.layers))
     expert = write_expert_peft_adapter(out / "expert", model, seed=1, rank=8, alpha=16.0)
@@ -152,7 +212,7 @@ def main(argv=None):
     for r in rows:
         print("| " + " | ".join("n/a" if r[k] is None else str(r[k]) for k in keys) + " |")
     paths = write_report(out, "bench_serving", rows, title="kt_serve serving benchmark", chart=("streams", "tok_s", "row"),
-                         meta={"config": desc})
+                         meta={"config": desc, "moe_layer": moe_rows})
     print(f"report: {paths['md']}")
 
 
