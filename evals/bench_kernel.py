@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -23,7 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kt_serve.kernel import ExpertLoRA, MoELoRAExperts, MoEExperts, cpu_isa, num_threads, set_num_threads
+from kt_serve.kernel import ExpertLoRA, MoEExperts, cpu_isa, num_threads, set_num_threads
 
 
 def timeit(fn, repeats: int, warmup: int = 2, budget_s: float = 20.0):

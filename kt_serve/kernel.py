@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Mapping, Optional, Union
 
 import torch

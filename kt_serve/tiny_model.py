@@ -10,9 +10,6 @@ ChatML specials ``<|endoftext|>`` (0), ``<|im_start|>`` (1), ``<|im_end|>`` (2, 
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 CORPUS = Path(__file__).parent / "data" / "tiny_corpus.txt"
@@ -95,20 +92,14 @@ def build_tiny_moe(out_dir, family: str = "qwen3_moe", *, hidden_size: int = 128
     config = _config(family, hidden_size=hidden_size, moe_intermediate_size=moe_intermediate_size,
                      num_experts=num_experts, top_k=top_k, num_layers=num_layers, vocab_size=vocab_size,
                      overrides=overrides)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; a checkpoint dir should be readable like any other
-    try:
+    from kt_serve.formats.safetensors_io import staged_dirs
+
+    with staged_dirs([out_dir], overwrite=True) as (tmp,):
+        tmp.chmod(0o755)  # mkdtemp makes it private; a model dir should be readable like any other
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.to(torch.bfloat16).save_pretrained(tmp)
         build_tokenizer(vocab_size).save_pretrained(tmp)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 

@@ -9,7 +9,6 @@ a refused start (mismatched expert adapter).
 from __future__ import annotations
 
 import concurrent.futures
-import os
 
 import openai
 import pytest

@@ -11,7 +11,6 @@
 
 import itertools
 import json
-import re
 import sys
 from pathlib import Path
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kt_serve.formats.safetensors_io import staged_dirs
 from kt_serve.train.data import IGNORE_INDEX, BatchPlan, SFTDataset
 
 logger = logging.getLogger(__name__)
@@ -165,8 +166,7 @@ class Trainer:
         from safetensors.torch import save_file
 
         target = self.output_dir / f"checkpoint-{self.global_step}"
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=self.output_dir))
-        try:
+        with staged_dirs([target], overwrite=True) as (tmp,):
             staged = tmp / "adapter"
             _publish_adapter(self.tm, staged, overwrite=False)
             for item in staged.iterdir():
@@ -178,12 +178,6 @@ class Trainer:
             torch.save(_rng_state(), tmp / RNG_FILE)
             state = {"global_step": self.global_step, "plan": self._plan_record(), "log_history": self.log_history}
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
-            if target.exists():
-                shutil.rmtree(target)
-            os.replace(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         return target
 
     def load_checkpoint(self, path: Path) -> None:
