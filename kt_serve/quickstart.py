@@ -32,6 +32,8 @@ from pathlib import Path
 
 import yaml
 
+from kt_serve.server import kill_process_group
+
 DATA = Path(__file__).parent / "data"
 EXAMPLE_DATASET = DATA / "example_dataset"
 EVAL_DATASET = DATA / "quickstart_eval.jsonl"
@@ -87,19 +89,7 @@ def run_logged(cmd: list[str], log_path: Path, *, env: dict[str, str] | None = N
 
 
 def kill_group(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            continue
-        try:  # the leader is gone; a worker of its group may still be exiting
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            break
+    kill_process_group(proc, term_wait=5.0, kill_wait=5.0)
     if proc.stdout:
         proc.stdout.close()
 

@@ -81,21 +81,7 @@ class SGLangServer:
     def stop(self) -> None:
         if self.proc is None:
             return
-        pgid = self.proc.pid  # start_new_session: the launcher leads its own process group
-        for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline and _group_alive(pgid):
-                time.sleep(0.1)
-            if not _group_alive(pgid):
-                break
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
+        kill_process_group(self.proc)  # start_new_session: the launcher leads its own process group
         self.proc = None
 
     def __enter__(self) -> "SGLangServer":
@@ -148,6 +134,25 @@ class SGLangServer:
             time.sleep(1.0)
         raise ServerStartError(f"SGLang not ready after {self.startup_timeout:.0f}s (last probe: {last}); "
                                f"log {self.log_path}:\n{self.log_tail()}")
+
+
+def kill_process_group(proc: subprocess.Popen, term_wait: float = 3.0, kill_wait: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL, the whole process group that ``proc`` leads (``start_new_session=True``)."""
+    pgid = proc.pid
+    for sig, wait in ((signal.SIGTERM, term_wait), (signal.SIGKILL, kill_wait)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and _group_alive(pgid):
+            time.sleep(0.1)
+        if not _group_alive(pgid):
+            break
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def _group_alive(pgid: int) -> bool:
