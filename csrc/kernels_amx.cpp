@@ -40,12 +40,16 @@ void configure(int a0, int a1) {
   _tile_loadconfig(&c);
 }
 
-// 32 (a0 + a1) rows × 32 columns starting at column tile ct (0 or 2) of the block.
-inline void tile_2x2(const bf16* A, int64_t lda, const bf16* block, int kp, int ct, float* C, int64_t ldc) {
+inline void zero_accumulators() {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
+}
+
+// 32 (a0 + a1) rows × 32 columns starting at column tile ct (0 or 2) of the block.
+inline void tile_2x2(const bf16* A, int64_t lda, const bf16* block, int kp, int ct, float* C, int64_t ldc) {
+  zero_accumulators();
   const int64_t sa = lda * 2;
   for (int k0 = 0; k0 < kp; k0 += 32) {
     const bf16* b = block + (static_cast<int64_t>(k0 / 2) * kBlockN + 16 * ct) * 2;
@@ -67,10 +71,7 @@ inline void tile_2x2(const bf16* A, int64_t lda, const bf16* block, int kp, int 
 
 // up to 16 rows × 64 columns.
 inline void tile_1x4(const bf16* A, int64_t lda, const bf16* block, int kp, float* C, int64_t ldc) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  zero_accumulators();
   const int64_t sa = lda * 2;
   for (int k0 = 0; k0 < kp; k0 += 32) {
     const bf16* b = block + static_cast<int64_t>(k0 / 2) * kBlockN * 2;
