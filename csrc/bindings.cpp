@@ -55,10 +55,10 @@ PYBIND11_MODULE(_kernel, m) {
            })
       .def("forward",
            [](kt::MoELoRA& s, int T, int k, uintptr_t x, uintptr_t ids, bool ids64, uintptr_t w, uintptr_t slots,
-              uintptr_t out, bool save) {
+              int uniform_slot, uintptr_t out, bool save) {
              py::gil_scoped_release nogil;
              s.forward(T, k, ptr<const bf16>(x), ptr<const void>(ids), ids64, ptr<const float>(w),
-                       ptr<const int32_t>(slots), ptr<bf16>(out), save);
+                       ptr<const int32_t>(slots), uniform_slot, ptr<bf16>(out), save);
            })
       .def("backward", [](kt::MoELoRA& s, uintptr_t grad_out, uintptr_t grad_x, uintptr_t grad_w) {
         py::gil_scoped_release nogil;

@@ -81,23 +81,26 @@ struct MoELoRA::Route {
 namespace {
 
 template <typename Id>
-void build_route(MoELoRA::Route& rt, int E, int T, int k, const Id* ids, const int32_t* slots,
+void build_route(MoELoRA::Route& rt, int E, int T, int k, const Id* ids, const int32_t* slots, int uniform_slot,
                  const std::vector<std::shared_ptr<const Adapter>>& table) {
   const int S = static_cast<int>(table.size());
   rt.T = T, rt.k = k;
   rt.adapter.assign(S, nullptr);
   rt.keep.clear();
   rt.R = 1;
-  if (slots) {
-    for (int t = 0; t < T; ++t) {
-      const int s = slots[t];
-      if (s < -1 || s >= S) fail("slots[" + std::to_string(t) + "] = " + std::to_string(s) + ": expected -1 or 0.." + std::to_string(S - 1));
-      if (s >= 0 && !rt.adapter[s]) {
-        if (!table[s]) fail("slots[" + std::to_string(t) + "] = " + std::to_string(s) + ": no adapter loaded in that slot");
-        rt.adapter[s] = table[s].get();
-        rt.keep.push_back(table[s]);
-        rt.R = std::max(rt.R, table[s]->rank);
-      }
+  // Per-token slots, or one slot for every token (no per-token array to build and check on the serving path).
+  const int checked = slots ? T : std::min(T, 1);
+  for (int t = 0; t < checked; ++t) {
+    const int s = slots ? slots[t] : uniform_slot;
+    auto where = [&] {
+      return slots ? "slots[" + std::to_string(t) + "] = " + std::to_string(s) : "slot " + std::to_string(s);
+    };
+    if (s < -1 || s >= S) fail(where() + ": expected -1 or 0.." + std::to_string(S - 1));
+    if (s >= 0 && !rt.adapter[s]) {
+      if (!table[s]) fail(where() + ": no adapter loaded in that slot");
+      rt.adapter[s] = table[s].get();
+      rt.keep.push_back(table[s]);
+      rt.R = std::max(rt.R, table[s]->rank);
     }
   }
   std::vector<int> count(E + 1, 0);
@@ -115,7 +118,7 @@ void build_route(MoELoRA::Route& rt, int E, int T, int k, const Id* ids, const i
     const int64_t e = static_cast<int64_t>(ids[i]);
     if (e >= 0 && e < E) rt.pair_tk[fill[e]++] = static_cast<int>(i);
   }
-  auto slot_of = [&](int tk) { return slots ? slots[tk / k] : -1; };
+  auto slot_of = [&](int tk) { return slots ? slots[tk / k] : uniform_slot; };
   rt.active.clear();
   rt.segs.clear();
   for (int e = 0; e < E; ++e) {
@@ -294,7 +297,7 @@ void MoELoRA::ensure_backward_weights() {
 // Forward
 
 void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, const float* weights,
-                      const int32_t* slots, bf16* out, bool save) {
+                      const int32_t* slots, int uniform_slot, bf16* out, bool save) {
   if (T < 0 || k < 1) fail("expected T >= 0 and k >= 1");
   if (T > max_tokens_)
     fail("T = " + std::to_string(T) + " tokens exceeds max_tokens = " + std::to_string(max_tokens_));
@@ -315,9 +318,9 @@ void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, 
       table = slots_;
     }
     if (ids64)
-      build_route(rt, E_, T, k, static_cast<const int64_t*>(ids), slots, table);
+      build_route(rt, E_, T, k, static_cast<const int64_t*>(ids), slots, uniform_slot, table);
     else
-      build_route(rt, E_, T, k, static_cast<const int32_t*>(ids), slots, table);
+      build_route(rt, E_, T, k, static_cast<const int32_t*>(ids), slots, uniform_slot, table);
   }
   auto pool = global_pool();
   const int P = rt.P, R = rt.R, H = H_, I = I_;

@@ -93,9 +93,10 @@ class MoELoRA {
   bool has_adapter(int slot) const;
   void set_grad_buffers(int slot, const GradBuffers& g);
 
-  // ids are int64 when ids64, else int32. slots may be null (every token base-only).
+  // ids are int64 when ids64, else int32. slots: one slot per token, or null: every token uses uniform_slot
+  // (-1 = base only).
   void forward(int T, int k, const bf16* x, const void* ids, bool ids64, const float* weights, const int32_t* slots,
-               bf16* out, bool save_for_backward);
+               int uniform_slot, bf16* out, bool save_for_backward);
   void backward(const bf16* grad_out, bf16* grad_x, float* grad_weights);
 
   struct Route;

@@ -223,15 +223,15 @@ class MoEExperts:
             self._grads[slot] = grads
 
     def _slots_arg(self, slots, T: int) -> tuple:
+        """(per-token slots address or 0, the slot every token uses when that address is 0)."""
         if slots is None:
-            return 0, None
+            return 0, -1
         if isinstance(slots, int) and not isinstance(slots, bool):
             if slots != -1:
                 self._check_slot(slots)
-            t = torch.full((T,), slots, dtype=torch.int32)
-            return t.data_ptr(), t
+            return 0, slots
         _expect(slots, "slots", (torch.int32,), (T,))
-        return slots.data_ptr(), slots
+        return slots.data_ptr(), -1
 
     def forward_sft(
         self,
@@ -259,7 +259,7 @@ class MoEExperts:
             raise ValueError("topk_ids must have at least one column")
         if T > self.max_tokens:
             raise ValueError(f"x has T={T} tokens, more than max_tokens={self.max_tokens} of this MoEExperts")
-        slots_ptr, slots_keep = self._slots_arg(slots, T)
+        slots_ptr, uniform_slot = self._slots_arg(slots, T)
         out = torch.empty((T, self.hidden_size), dtype=torch.bfloat16)
         if T == 0:
             if save_for_backward:
@@ -267,9 +267,8 @@ class MoEExperts:
             return out
         self._k.forward(
             T, k, x.data_ptr(), topk_ids.data_ptr(), topk_ids.dtype == torch.int64, topk_weights.data_ptr(),
-            slots_ptr, out.data_ptr(), bool(save_for_backward),
+            slots_ptr, uniform_slot, out.data_ptr(), bool(save_for_backward),
         )
-        del slots_keep
         if save_for_backward:
             self._saved_T, self._saved_k = T, k
         return out

@@ -14,10 +14,11 @@ import torch
 
 @dataclass
 class ExpertBatchInfo:
-    # int32 [T] on CPU: kernel slot per token, -1 = base experts only
-    token_slots: torch.Tensor
-    # the same when every token shares one slot (lets the kernel skip the per-token path), else None
-    uniform_slot: int | None
+    num_tokens: int
+    # int32 [T] on CPU: kernel slot per token (-1 = base experts only); None when every token shares one slot
+    token_slots: torch.Tensor | None
+    # that shared slot (the kernel then needs no per-token array)
+    uniform_slot: int
 
 
 _current: ExpertBatchInfo | None = None
@@ -28,13 +29,13 @@ def set_batch(lora_ids, seq_lens, slot_of) -> None:
     slot_of: maps an adapter id (or None) to its kernel slot (-1: none)."""
     global _current
     slots = [slot_of(uid) for uid in lora_ids]
+    num_tokens = int(sum(seq_lens))
     if len(set(slots)) <= 1:
-        uniform = slots[0] if slots else -1
-        _current = ExpertBatchInfo(torch.full((int(sum(seq_lens)),), uniform, dtype=torch.int32), uniform)
+        _current = ExpertBatchInfo(num_tokens, None, slots[0] if slots else -1)
         return
     token_slots = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int32),
                                           torch.tensor(seq_lens, dtype=torch.int64))
-    _current = ExpertBatchInfo(token_slots, None)
+    _current = ExpertBatchInfo(num_tokens, token_slots, -1)
 
 
 def clear_batch() -> None:
@@ -47,10 +48,10 @@ def slots_for(num_tokens: int, default_slot: int):
     info = _current
     if info is None:
         return default_slot
-    if info.token_slots.numel() != num_tokens:
+    if info.num_tokens != num_tokens:
         raise RuntimeError(f"kt_serve: MoE layer got {num_tokens} tokens but the LoRA batch has "
-                           f"{info.token_slots.numel()}; per-request expert adapters cannot be mapped")
-    return info.uniform_slot if info.uniform_slot is not None else info.token_slots
+                           f"{info.num_tokens}; per-request expert adapters cannot be mapped")
+    return info.uniform_slot if info.token_slots is None else info.token_slots
 
 
 def forward_batch_seq_lens(forward_batch) -> list[int]:
