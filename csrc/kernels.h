@@ -37,6 +37,11 @@ struct Kernels {
   // holding kp (= K rounded up to 32, see PackedWeights) values, the padding zero. C: fp32, stride ldc, 64 columns written.
   void (*gemm_block)(int M, const bf16* A, int64_t lda, const bf16* block, int kp, float* C, int64_t ldc);
 
+  // Two gemm_blocks of M rows each: C0 = A0 · block0, C1 = A1 · block1 (A0 may equal A1). With few rows a
+  // block is streamed from memory once; reading two blocks side by side keeps twice the loads in flight.
+  void (*gemm_block_pair)(int M, const bf16* A0, const bf16* A1, int64_t lda, const bf16* block0,
+                          const bf16* block1, int kp, float* C0, float* C1, int64_t ldc);
+
   // LoRA down-projection: T[m][j] = Σ_k X[m][k] · A[j][k], j < r. A fp32 [r, K].
   void (*lora_a_bf16)(int M, const bf16* X, int64_t ldx, const float* A, int r, int K, float* T, int64_t ldt);
   void (*lora_a_f32)(int M, const float* X, int64_t ldx, const float* A, int r, int K, float* T, int64_t ldt);

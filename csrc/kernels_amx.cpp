@@ -121,6 +121,13 @@ void gemm_block_amx(int M, const bf16* A, int64_t lda, const bf16* block, int kp
   _tile_release();  // no tile state left for context switches to save
 }
 
+void gemm_block_pair_amx(int M, const bf16* A0, const bf16* A1, int64_t lda, const bf16* block0, const bf16* block1,
+                         int kp, float* C0, float* C1, int64_t ldc) {
+  if (M < kAmxMinRows) return g_avx512->gemm_block_pair(M, A0, A1, lda, block0, block1, kp, C0, C1, ldc);
+  gemm_block_amx(M, A0, lda, block0, kp, C0, ldc);
+  gemm_block_amx(M, A1, lda, block1, kp, C1, ldc);
+}
+
 }  // namespace
 
 namespace kt {
@@ -131,6 +138,7 @@ const Kernels* kernels_amx_bf16() {
     Kernels t = *g_avx512;
     t.name = "amx_bf16";
     t.gemm_block = gemm_block_amx;
+    t.gemm_block_pair = gemm_block_pair_amx;
     return t;
   }();
   return &k;

@@ -11,48 +11,71 @@ namespace {
 using kt::bf16;
 using kt::kBlockN;
 
-// MR rows × 64 columns: MR×4 zmm accumulators; per K pair, 4 block loads shared by MR broadcasts of A.
-template <int MR>
-inline void gemm_micro(const bf16* A, int64_t lda, const bf16* block, int kp, float* C, int64_t ldc) {
-  __m512 acc[MR][4];
-  for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_setzero_ps();
+// MR rows × 64 columns of NB blocks (1, or 2 streamed side by side): MR×NB×4 zmm accumulators; per K pair,
+// 4 loads of each block shared by MR broadcasts of that block's A rows.
+template <int MR, int NB>
+inline void gemm_micro(const bf16* const (&A)[NB], int64_t lda, const bf16* const (&blocks)[NB], int kp,
+                       float* const (&C)[NB], int64_t ldc) {
+  __m512 acc[NB][MR][4];
+  for (int n = 0; n < NB; ++n)
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < 4; ++v) acc[n][m][v] = _mm512_setzero_ps();
   const int kk_n = kp / 2;
-  const bf16* b = block;
-  for (int kk = 0; kk < kk_n; ++kk, b += kBlockN * 2) {
-    _mm_prefetch(reinterpret_cast<const char*>(b + 16 * kBlockN * 2), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(b + 16 * kBlockN * 2 + 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(b + 16 * kBlockN * 2 + 128), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(b + 16 * kBlockN * 2 + 192), _MM_HINT_T0);
-    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b);
-    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + 32);
-    const __m512bh b2 = (__m512bh)_mm512_loadu_si512(b + 64);
-    const __m512bh b3 = (__m512bh)_mm512_loadu_si512(b + 96);
-    for (int m = 0; m < MR; ++m) {
-      int32_t pair;
-      std::memcpy(&pair, A + m * lda + 2 * kk, 4);
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], a, b0);
-      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], a, b1);
-      acc[m][2] = _mm512_dpbf16_ps(acc[m][2], a, b2);
-      acc[m][3] = _mm512_dpbf16_ps(acc[m][3], a, b3);
+  for (int kk = 0; kk < kk_n; ++kk) {
+    for (int n = 0; n < NB; ++n) {
+      const bf16* b = blocks[n] + static_cast<int64_t>(kk) * kBlockN * 2;
+      for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(b + 16 * kBlockN * 2) + 64 * l, _MM_HINT_T0);
+      const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b);
+      const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + 32);
+      const __m512bh b2 = (__m512bh)_mm512_loadu_si512(b + 64);
+      const __m512bh b3 = (__m512bh)_mm512_loadu_si512(b + 96);
+      for (int m = 0; m < MR; ++m) {
+        int32_t pair;
+        std::memcpy(&pair, A[n] + m * lda + 2 * kk, 4);
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+        acc[n][m][0] = _mm512_dpbf16_ps(acc[n][m][0], a, b0);
+        acc[n][m][1] = _mm512_dpbf16_ps(acc[n][m][1], a, b1);
+        acc[n][m][2] = _mm512_dpbf16_ps(acc[n][m][2], a, b2);
+        acc[n][m][3] = _mm512_dpbf16_ps(acc[n][m][3], a, b3);
+      }
     }
   }
-  for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(C + m * ldc + 16 * v, acc[m][v]);
+  for (int n = 0; n < NB; ++n)
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < 4; ++v) _mm512_storeu_ps(C[n] + m * ldc + 16 * v, acc[n][m][v]);
+}
+
+template <int MR>
+inline void gemm_rows(const bf16* A, int64_t lda, const bf16* block, int kp, float* C, int64_t ldc) {
+  gemm_micro<MR, 1>({A}, lda, {block}, kp, {C}, ldc);
 }
 
 void gemm_block_avx512(int M, const bf16* A, int64_t lda, const bf16* block, int kp, float* C, int64_t ldc) {
   constexpr int MR = 6;  // 24 accumulators + 4 block registers + 1 broadcast fit the 32 zmm registers
   int m = 0;
-  for (; m + MR <= M; m += MR) gemm_micro<MR>(A + m * lda, lda, block, kp, C + m * ldc, ldc);
+  for (; m + MR <= M; m += MR) gemm_rows<MR>(A + m * lda, lda, block, kp, C + m * ldc, ldc);
   switch (M - m) {
-    case 5: gemm_micro<5>(A + m * lda, lda, block, kp, C + m * ldc, ldc); break;
-    case 4: gemm_micro<4>(A + m * lda, lda, block, kp, C + m * ldc, ldc); break;
-    case 3: gemm_micro<3>(A + m * lda, lda, block, kp, C + m * ldc, ldc); break;
-    case 2: gemm_micro<2>(A + m * lda, lda, block, kp, C + m * ldc, ldc); break;
-    case 1: gemm_micro<1>(A + m * lda, lda, block, kp, C + m * ldc, ldc); break;
+    case 5: gemm_rows<5>(A + m * lda, lda, block, kp, C + m * ldc, ldc); break;
+    case 4: gemm_rows<4>(A + m * lda, lda, block, kp, C + m * ldc, ldc); break;
+    case 3: gemm_rows<3>(A + m * lda, lda, block, kp, C + m * ldc, ldc); break;
+    case 2: gemm_rows<2>(A + m * lda, lda, block, kp, C + m * ldc, ldc); break;
+    case 1: gemm_rows<1>(A + m * lda, lda, block, kp, C + m * ldc, ldc); break;
     default: break;
+  }
+}
+
+// Up to 3 rows the blocks are streamed side by side (24 accumulators); more rows reuse each loaded block
+// enough that one block at a time with 6-row tiles is faster.
+void gemm_block_pair_avx512(int M, const bf16* A0, const bf16* A1, int64_t lda, const bf16* block0,
+                            const bf16* block1, int kp, float* C0, float* C1, int64_t ldc) {
+  switch (M) {
+    case 0: return;
+    case 1: return gemm_micro<1, 2>({A0, A1}, lda, {block0, block1}, kp, {C0, C1}, ldc);
+    case 2: return gemm_micro<2, 2>({A0, A1}, lda, {block0, block1}, kp, {C0, C1}, ldc);
+    case 3: return gemm_micro<3, 2>({A0, A1}, lda, {block0, block1}, kp, {C0, C1}, ldc);
+    default:
+      gemm_block_avx512(M, A0, lda, block0, kp, C0, ldc);
+      gemm_block_avx512(M, A1, lda, block1, kp, C1, ldc);
   }
 }
 
@@ -150,7 +173,7 @@ float swiglu_backward_avx512(int n, float w, const float* q, const bf16* h, floa
 namespace kt {
 
 const Kernels* kernels_avx512_bf16() {
-  static const Kernels k{"avx512_bf16",         gemm_block_avx512,      lora_a_bf16_avx512,
+  static const Kernels k{"avx512_bf16",         gemm_block_avx512,      gemm_block_pair_avx512, lora_a_bf16_avx512,
                          lora_a_f32_avx512,     lora_b_add_generic,     outer_acc_bf16_generic,
                          outer_acc_f32_generic, swiglu_avx512,          swiglu_backward_avx512};
   return &k;

@@ -17,6 +17,10 @@
 #include <stdexcept>
 #include <string>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 #include "thread_pool.h"
 
 namespace kt {
@@ -31,16 +35,29 @@ int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 
 [[noreturn]] void fail(const std::string& msg) { throw std::invalid_argument(msg); }
 
+// Zeroed memory; arrays of 2 MiB or more (packed weights, large scratch) are 2 MiB-aligned and asked for
+// transparent huge pages, so streaming weights walks one TLB entry per 2 MiB rather than per 4 KiB (about 15%
+// more read bandwidth on the machines measured, see evals/bench_kernel.py). Returns the rounded-up size.
+void* alloc_zeroed(size_t& bytes) {
+  constexpr size_t kHuge = size_t(2) << 20;
+  const size_t align = bytes >= kHuge ? kHuge : 64;
+  bytes = static_cast<size_t>(round_up(static_cast<int64_t>(bytes), static_cast<int64_t>(align)));
+  void* p = std::aligned_alloc(align, bytes);
+  if (!p) throw std::bad_alloc();
+#ifdef MADV_HUGEPAGE
+  if (align == kHuge) madvise(p, bytes, MADV_HUGEPAGE);  // only a hint: a no-op where THP is off
+#endif
+  std::memset(p, 0, bytes);
+  return p;
+}
+
 }  // namespace
 
 template <typename T>
 T* Buffer<T>::get(size_t n) {
   if (n > cap_ || !p_) {
-    size_t bytes = round_up(std::max<size_t>(n, 1) * sizeof(T), 64);
-    T* p = static_cast<T*>(std::aligned_alloc(64, bytes));
-    if (!p) throw std::bad_alloc();
-    std::memset(p, 0, bytes);
-    p_.reset(p);
+    size_t bytes = std::max<size_t>(n, 1) * sizeof(T);
+    p_.reset(static_cast<T*>(alloc_zeroed(bytes)));
     cap_ = bytes / sizeof(T);
   }
   return p_.get();
@@ -323,6 +340,7 @@ void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, 
       build_route(rt, E_, T, k, static_cast<const int32_t*>(ids), slots, uniform_slot, table);
   }
   auto pool = global_pool();
+  ThreadPool::Busy busy(*pool);
   const int P = rt.P, R = rt.R, H = H_, I = I_;
   const int nbI = gate_.nblocks, nbH = down_.nblocks;
   ws->ldx = round_up(H, 32);
@@ -364,8 +382,8 @@ void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, 
     const int M = t.r1 - t.r0, c0 = t.cb * kBlockN, nc = std::min(kBlockN, I - c0);
     float* Cg = tl_tile[0];
     float* Cu = tl_tile[1];
-    k_.gemm_block(M, X + t.r0 * ldx, ldx, gate_.block(t.e, t.cb), gate_.kp, Cg, kBlockN);
-    k_.gemm_block(M, X + t.r0 * ldx, ldx, up_.block(t.e, t.cb), up_.kp, Cu, kBlockN);
+    const bf16* xr = X + t.r0 * ldx;
+    k_.gemm_block_pair(M, xr, xr, ldx, gate_.block(t.e, t.cb), up_.block(t.e, t.cb), gate_.kp, Cg, Cu, kBlockN);
     for_segments(rt, t.e, t.r0, t.r1, [&](const Route::Segment& s, int b, int end) {
       const Adapter* a = rt.seg_adapter(s);
       if (!a) return;
@@ -385,8 +403,8 @@ void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, 
     }
   });
 
-  // C: t = h Adᵀ.
-  pool->parallel_for(static_cast<int64_t>(rt.chunks.size()), [&](int64_t ci) {
+  // C: t = h Adᵀ (nothing to do when no token has an adapter).
+  if (!rt.keep.empty()) pool->parallel_for(static_cast<int64_t>(rt.chunks.size()), [&](int64_t ci) {
     const auto& c = rt.chunks[ci];
     const auto& s = rt.segs[c.seg];
     if (const Adapter* a = rt.seg_adapter(s))
@@ -407,24 +425,45 @@ void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, 
     const int cb = static_cast<int>(ti % nbH), grp = static_cast<int>(ti / nbH);
     const int c0 = cb * kBlockN, nc = std::min(kBlockN, H - c0);
     float* part = acc + static_cast<size_t>(grp) * T * ldo;
-    float* C = tl_tile[0];
-    for (int e : groups[grp]) {
-      for (int r0 = rt.expert_begin[e]; r0 < rt.expert_begin[e + 1]; r0 += kRowBlock) {
+    // Rows [r0, r1) of expert e, their base product already in C: add the LoRA term, scatter w·y into part.
+    auto finish = [&](int e, int r0, int r1, float* C) {
+      for_segments(rt, e, r0, r1, [&](const Route::Segment& s, int b, int end) {
+        const Adapter* a = rt.seg_adapter(s);
+        if (!a) return;
+        k_.lora_b_add(end - b, td + b * R, R, a->rank, a->down_bt.data() + static_cast<size_t>(e) * a->rank * H + c0,
+                      H, nc, a->scale, C + (b - r0) * kBlockN, kBlockN);
+      });
+      for (int p = r0; p < r1; ++p) {
+        const int tk = rt.pair_tk[p];
+        const float w = weights[tk];
+        float* o = part + static_cast<int64_t>(tk / k) * ldo + c0;
+        const float* y = C + (p - r0) * kBlockN;
+        for (int c = 0; c < nc; ++c) o[c] += w * y[c];
+      }
+    };
+    auto rows = [&](int e) { return rt.expert_begin[e + 1] - rt.expert_begin[e]; };
+    const auto& es = groups[grp];
+    for (size_t i = 0; i < es.size(); ++i) {
+      const int e = es[i], b = rt.expert_begin[e];
+      if (i + 1 < es.size() && rows(e) <= kRowBlock && rows(es[i + 1]) <= kRowBlock) {
+        // Two small experts side by side (decode): their common rows stream both blocks at once; the longer
+        // one's remaining rows then find its block in L2.
+        const int e2 = es[++i], b2 = rt.expert_begin[e2], n = rows(e), n2 = rows(e2), m = std::min(n, n2);
+        float* C = tl_tile[0];
+        float* C2 = tl_tile[1];
+        k_.gemm_block_pair(m, Hb + b * ldh, Hb + b2 * ldh, ldh, down_.block(e, cb), down_.block(e2, cb), down_.kp, C,
+                           C2, kBlockN);
+        if (n > m) k_.gemm_block(n - m, Hb + (b + m) * ldh, ldh, down_.block(e, cb), down_.kp, C + m * kBlockN, kBlockN);
+        if (n2 > m)
+          k_.gemm_block(n2 - m, Hb + (b2 + m) * ldh, ldh, down_.block(e2, cb), down_.kp, C2 + m * kBlockN, kBlockN);
+        finish(e, b, b + n, C);
+        finish(e2, b2, b2 + n2, C2);
+        continue;
+      }
+      for (int r0 = b; r0 < rt.expert_begin[e + 1]; r0 += kRowBlock) {
         const int r1 = std::min(r0 + kRowBlock, rt.expert_begin[e + 1]);
-        k_.gemm_block(r1 - r0, Hb + r0 * ldh, ldh, down_.block(e, cb), down_.kp, C, kBlockN);
-        for_segments(rt, e, r0, r1, [&](const Route::Segment& s, int b, int end) {
-          const Adapter* a = rt.seg_adapter(s);
-          if (!a) return;
-          k_.lora_b_add(end - b, td + b * R, R, a->rank, a->down_bt.data() + static_cast<size_t>(e) * a->rank * H + c0,
-                        H, nc, a->scale, C + (b - r0) * kBlockN, kBlockN);
-        });
-        for (int p = r0; p < r1; ++p) {
-          const int tk = rt.pair_tk[p];
-          const float w = weights[tk];
-          float* o = part + static_cast<int64_t>(tk / k) * ldo + c0;
-          const float* y = C + (p - r0) * kBlockN;
-          for (int c = 0; c < nc; ++c) o[c] += w * y[c];
-        }
+        k_.gemm_block(r1 - r0, Hb + r0 * ldh, ldh, down_.block(e, cb), down_.kp, tl_tile[0], kBlockN);
+        finish(e, r0, r1, tl_tile[0]);
       }
     }
     if (ngroups == 1) to_bf16_columns(part, c0, nc, out);
@@ -467,6 +506,7 @@ void MoELoRA::backward(const bf16* grad_out, bf16* grad_x, float* grad_w) {
     if (s.slot >= 0 && !grads[s.slot].gate_a)
       fail("backward: slot " + std::to_string(s.slot) + " has no gradient buffers (call set_grad_buffers first)");
   auto pool = global_pool();
+  ThreadPool::Busy busy(*pool);
   const int kpI = static_cast<int>(round_up(I, 2));
   const int nbI = gate_.nblocks, nbH = down_.nblocks;
   const int64_t ldx = ws.ldx, ldh = ws.ldh, ldo = ws.ldo, ldgu = round_up(2 * kpI, 32);

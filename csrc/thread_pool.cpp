@@ -6,6 +6,7 @@
 #include <fstream>
 #include <memory>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <utility>
 
@@ -34,71 +35,81 @@ ThreadPool::~ThreadPool() {
   for (auto& w : workers_) w.join();
 }
 
-void ThreadPool::run_tasks() {
+// Claims and runs one task of the current job. When there is none left, records the job's generation in
+// exhausted_gen and returns false.
+bool ThreadPool::run_one(uint64_t& exhausted_gen) {
+  uint64_t w = job_.load(std::memory_order_acquire);
   for (;;) {
-    int64_t t = next_.fetch_add(1, std::memory_order_relaxed);
-    if (t >= n_tasks_) return;
+    // fn and n are this job's if the exchange below succeeds: a new job is published only after the word
+    // was closed, and the acquire loads order them after any such close.
+    const Fn* fn = fn_.load(std::memory_order_acquire);
+    const int64_t n = n_tasks_.load(std::memory_order_acquire);
+    const uint32_t task = static_cast<uint32_t>(w);
+    if (task == kClosed || task >= n) {
+      exhausted_gen = w >> 32;
+      return false;
+    }
+    if (!job_.compare_exchange_weak(w, w + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
     try {
-      (*fn_)(t);
+      (*fn)(task);
     } catch (...) {
       std::lock_guard<std::mutex> lk(mu_);
       if (!error_) error_ = std::current_exception();
-      next_.store(n_tasks_, std::memory_order_relaxed);  // stop handing out work
     }
+    done_.fetch_add(1, std::memory_order_release);
+    return true;
   }
 }
 
 void ThreadPool::worker_loop() {
-  uint64_t seen = 0;
+  uint64_t seen = 0;  // generation of the last job this worker found exhausted
+  auto new_job = [&] { return (job_.load() >> 32) != seen; };
   for (;;) {
-    // Phases of one kernel call follow each other within microseconds: spin briefly on the generation
-    // counter before sleeping, so a multi-phase call does not pay a futex wake-up per phase.
-    auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
-    while (generation_seen_.load(std::memory_order_acquire) == seen &&
-           std::chrono::steady_clock::now() < spin_until)
+    while (run_one(seen)) {
+    }
+    // Within a call (see Busy) spin for the next phase, so a multi-phase call does not pay a wake-up per phase;
+    // the time limit only guards against a caller stalled between phases.
+    const auto spin_until = std::chrono::steady_clock::now() + std::chrono::milliseconds(1);
+    while (!new_job() && busy_.load(std::memory_order_relaxed) > 0 && std::chrono::steady_clock::now() < spin_until)
       cpu_relax();
-    {
-      std::unique_lock<std::mutex> lk(mu_);
-      wake_cv_.wait(lk, [&] { return stop_ || generation_ != seen; });
-      if (stop_) return;
-      seen = generation_;
-    }
-    run_tasks();
-    if (active_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      std::lock_guard<std::mutex> lk(mu_);
-      done_cv_.notify_one();
-    }
+    if (new_job()) continue;
+    std::unique_lock<std::mutex> lk(mu_);
+    sleeping_.fetch_add(1);  // seq_cst, paired with the caller's publish-then-check in parallel_for
+    wake_cv_.wait(lk, [&] { return stop_ || new_job(); });
+    sleeping_.fetch_sub(1);
+    if (stop_) return;
   }
 }
 
 void ThreadPool::parallel_for(int64_t n_tasks, const std::function<void(int64_t)>& fn) {
   if (n_tasks <= 0) return;
+  if (n_tasks >= kClosed) throw std::length_error("ThreadPool::parallel_for: too many tasks");
   std::lock_guard<std::mutex> job(job_mutex_);
   if (workers_.empty() || n_tasks == 1) {
     for (int64_t t = 0; t < n_tasks; ++t) fn(t);
     return;
   }
-  {
+  const uint64_t gen = (job_.load(std::memory_order_relaxed) >> 32) + 1;
+  done_.store(0, std::memory_order_relaxed);
+  fn_.store(&fn, std::memory_order_release);
+  n_tasks_.store(n_tasks, std::memory_order_release);
+  job_.store(gen << 32);  // seq_cst: either a sleeping worker sees it, or we see that worker in sleeping_
+  if (sleeping_.load() > 0) {
     std::lock_guard<std::mutex> lk(mu_);
-    fn_ = &fn;
-    n_tasks_ = n_tasks;
-    next_.store(0, std::memory_order_relaxed);
-    active_.store(static_cast<int>(workers_.size()), std::memory_order_relaxed);
-    error_ = nullptr;
-    ++generation_;
-    generation_seen_.store(generation_, std::memory_order_release);
+    wake_cv_.notify_all();
   }
-  wake_cv_.notify_all();
-  run_tasks();
-  // The caller finished its share; wait (briefly spinning, then sleeping) for the workers to finish theirs.
-  auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
-  while (active_.load(std::memory_order_acquire) != 0 && std::chrono::steady_clock::now() < spin_until)
-    cpu_relax();
+  uint64_t exhausted = 0;
+  while (run_one(exhausted)) {
+  }
+  // Every task is claimed; wait for those still running on workers.
+  for (int spins = 0; done_.load(std::memory_order_acquire) != n_tasks; ++spins) {
+    if (spins < 4096) cpu_relax();
+    else std::this_thread::yield();
+  }
+  job_.store((gen << 32) | kClosed, std::memory_order_release);
   std::exception_ptr err;
   {
-    std::unique_lock<std::mutex> lk(mu_);
-    done_cv_.wait(lk, [&] { return active_.load(std::memory_order_acquire) == 0; });
-    fn_ = nullptr;
+    std::lock_guard<std::mutex> lk(mu_);
     err = std::exchange(error_, nullptr);
   }
   if (err) std::rethrow_exception(err);

@@ -20,24 +20,45 @@ class ThreadPool {
 
   int num_threads() const { return static_cast<int>(workers_.size()) + 1; }
 
-  // Runs fn(task) for task in [0, n_tasks), tasks handed out dynamically (an atomic counter), so uneven tasks
-  // balance. Returns when all are done. Calls from different threads are serialised (one job at a time).
+  // Runs fn(task) for task in [0, n_tasks), tasks handed out dynamically, so uneven tasks balance. Returns when
+  // all are done. Calls from different threads are serialised (one job at a time).
   void parallel_for(int64_t n_tasks, const std::function<void(int64_t)>& fn);
 
+  // Held across the phases of one kernel call: while one is alive, workers wait for the next job spinning
+  // (phases follow each other within microseconds). Otherwise they sleep as soon as a job ends and leave the
+  // cores to the other pools of the process: between our calls torch's OpenMP threads run the rest of the model.
+  class Busy {
+   public:
+    explicit Busy(ThreadPool& pool) : pool_(pool) { pool_.busy_.fetch_add(1); }
+    ~Busy() { pool_.busy_.fetch_sub(1); }
+    Busy(const Busy&) = delete;
+    Busy& operator=(const Busy&) = delete;
+
+   private:
+    ThreadPool& pool_;
+  };
+
  private:
+  using Fn = std::function<void(int64_t)>;
+  static constexpr uint32_t kClosed = 0xffffffffu;
+
   void worker_loop();
-  void run_tasks();
+  bool run_one(uint64_t& exhausted_gen);
 
   std::vector<std::thread> workers_;
   std::mutex job_mutex_;  // one job at a time
-  std::mutex mu_;
-  std::condition_variable wake_cv_, done_cv_;
-  const std::function<void(int64_t)>* fn_ = nullptr;
-  int64_t n_tasks_ = 0;
-  std::atomic<int64_t> next_{0};
-  std::atomic<int> active_{0};  // workers still inside the current job
-  uint64_t generation_ = 0;
-  std::atomic<uint64_t> generation_seen_{0};
+  // The job: (generation << 32) | next task, claimed by compare-exchange. The caller waits only for claimed
+  // tasks, never for a worker to wake up: one that wakes late finds the tasks gone (a VM's idle vCPU can take
+  // a few hundred µs to wake, longer than a whole decode-sized phase). Closed (kClosed) between jobs, so a
+  // worker that read the old word can never claim a task of the next job.
+  std::atomic<uint64_t> job_{kClosed};
+  std::atomic<const Fn*> fn_{nullptr};
+  std::atomic<int64_t> n_tasks_{0};
+  std::atomic<int64_t> done_{0};
+  std::atomic<int> sleeping_{0};
+  std::atomic<int> busy_{0};
+  std::mutex mu_;  // guards the sleep/wake hand-over, stop_ and error_
+  std::condition_variable wake_cv_;
   bool stop_ = false;
   std::exception_ptr error_;
 };

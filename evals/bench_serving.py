@@ -15,7 +15,8 @@ Writes OUT/bench_serving.{json,md,png} (evals/report.py) besides printing the ta
 
 Before the servers, the MoE layer alone at the model's shape, in this process: SGLang's own CPU MoE path
 (``moe_forward_native``, what the CPU engine runs without AMX sgl_kernel ops) vs the kt_serve kernel, base and
-with an expert LoRA, at the decode batch sizes of the stream counts (``--moe-only`` runs just this part).
+with an expert LoRA, at the decode batch sizes of the stream counts (``--moe-only`` runs just this part). As in
+decode, each call reads another layer's weights from DRAM (see moe_layer_bench).
 """
 
 from __future__ import annotations
@@ -32,8 +33,12 @@ from pathlib import Path
 import psutil
 import statistics
 
-from kt_serve.server import SGLangServer
-from kt_serve.tiny_model import build_tiny_moe
+from kt_serve.sglang_plugin.config import share_cores_with_torch
+
+share_cores_with_torch()  # what the plugin does for the server; before torch loads its OpenMP runtime
+
+from kt_serve.server import SGLangServer  # noqa: E402
+from kt_serve.tiny_model import build_tiny_moe  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -98,8 +103,13 @@ def decode_run(server, models: list[str], streams: int, tokens: int, prompt: lis
             "ms_per_tok_p50": statistics.median(per_tok), "ms_per_tok_p99": percentile(per_tok, 99)}
 
 
-def moe_layer_bench(a) -> list[dict]:
-    """ms per MoE-layer call at T = stream counts: SGLang's moe_forward_native vs MoEExperts (same weights)."""
+def moe_layer_bench(a, rounds: int = 5) -> list[dict]:
+    """ms per MoE-layer call as in a decode step: SGLang's moe_forward_native vs MoEExperts, same weights.
+
+    As in a model, every call goes to another layer's weights (a.layers of them, together far larger than the
+    L3 cache) with fresh routing, so weights come from DRAM; the implementations take turns call by call, so
+    both see the same memory traffic. Medians over rounds × layers calls.
+    """
     import torch
     from types import SimpleNamespace
 
@@ -109,44 +119,56 @@ def moe_layer_bench(a) -> list[dict]:
 
     from kt_serve.kernel import ExpertLoRA, MoEExperts, num_threads
 
-    E, H, I, k, r = a.experts, a.hidden, a.moe_intermediate, a.top_k, 8
+    E, H, I, k, r, L = a.experts, a.hidden, a.moe_intermediate, a.top_k, 8, a.layers
     torch.set_num_threads(num_threads())
     g = torch.Generator().manual_seed(0)
-    w13 = (torch.randn(E, 2 * I, H, generator=g) * 0.02).bfloat16()
-    w2 = (torch.randn(E, H, I, generator=g) * 0.02).bfloat16()
-    layer = SimpleNamespace(num_experts=E, w13_weight=w13, w2_weight=w2)
     cfg = MoeRunnerConfig(num_experts=E, top_k=k, activation="silu")
-    ours = MoEExperts(gate_up_proj=w13, down_proj=w2)
     shapes = [(E, r, H), (E, I, r), (E, r, H), (E, I, r), (E, r, I), (E, H, r)]
-    ours.set_adapter(0, ExpertLoRA(*((torch.randn(*s, generator=g) * 0.02).bfloat16() for s in shapes), alpha=16.0))
+    layers = []
+    for _ in range(L):
+        w13 = (torch.randn(E, 2 * I, H, generator=g) * 0.02).bfloat16()
+        w2 = (torch.randn(E, H, I, generator=g) * 0.02).bfloat16()
+        ours = MoEExperts(gate_up_proj=w13, down_proj=w2)
+        ours.set_adapter(0, ExpertLoRA(*((torch.randn(*s, generator=g) * 0.02).bfloat16() for s in shapes), alpha=16.0))
+        layers.append((SimpleNamespace(num_experts=E, w13_weight=w13, w2_weight=w2), ours))
+    expert_mb = 3 * H * I * 2 / 1e6
     rows = []
     for T in a.streams:
-        x = torch.randn(T, H, generator=g).bfloat16()
-        w, ids = torch.softmax(torch.randn(T, E, generator=g), -1).topk(k, -1)
-        w, ids = w.float().contiguous(), ids.to(torch.int32).contiguous()
-        topk = StandardTopKOutput(w, ids, None)
-
-        def best(fn, n=20):
-            fn()
-            times = []
-            for _ in range(n):
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-            return min(times)
-
-        with torch.no_grad():
-            sgl = best(lambda: moe_forward_native(layer, x, topk, cfg))
-        base = best(lambda: ours.forward_sft(x, ids, w))
-        lora = best(lambda: ours.forward_sft(x, ids, w, slots=0))
-        rows.append({"T": T, "sglang_ms": round(sgl, 3), "kt_ms": round(base, 3), "kt_lora_ms": round(lora, 3),
-                     "kt_vs_sglang": round(sgl / base, 2), "kt_lora_vs_sglang": round(sgl / lora, 2)})
-    print(f"\nMoE layer alone (H={H}, I={I}, E={E}, top-{k}; expert LoRA r={r}; {num_threads()} threads):")
-    print("| T | SGLang moe_forward_native ms | kt_serve ms | kt_serve + expert LoRA ms | speed-up | speed-up with LoRA |")
-    print("|---|---|---|---|---|---|")
+        ms = {"sglang": [], "kt": [], "kt_lora": []}
+        touched = []
+        for it in range(rounds + 1):  # round 0 warms up
+            for layer in range(L):
+                x = torch.randn(T, H, generator=g).bfloat16()
+                w, ids = torch.softmax(torch.randn(T, E, generator=g), -1).topk(k, -1)
+                w, ids = w.float().contiguous(), ids.to(torch.int32).contiguous()
+                topk = StandardTopKOutput(w, ids, None)
+                calls = {  # kt with LoRA on the layer half a model away, so it finds no weights left in cache
+                    "sglang": lambda: moe_forward_native(layers[layer][0], x, topk, cfg),
+                    "kt": lambda: layers[layer][1].forward_sft(x, ids, w),
+                    "kt_lora": lambda: layers[(layer + L // 2) % L][1].forward_sft(x, ids, w, slots=0),
+                }
+                for name, fn in calls.items():
+                    with torch.no_grad():
+                        t0 = time.perf_counter()
+                        fn()
+                        dt = (time.perf_counter() - t0) * 1e3
+                    if it:
+                        ms[name].append(dt)
+                touched.append(len(set(ids.flatten().tolist())) * expert_mb)
+        med = {n: statistics.median(v) for n, v in ms.items()}
+        mb = statistics.mean(touched)
+        rows.append({"T": T, "weights_mb": round(mb, 1), "sglang_ms": round(med["sglang"], 3), "kt_ms": round(med["kt"], 3),
+                     "kt_lora_ms": round(med["kt_lora"], 3), "kt_vs_sglang": round(med["sglang"] / med["kt"], 2),
+                     "kt_lora_vs_sglang": round(med["sglang"] / med["kt_lora"], 2),
+                     "kt_gb_s": round(mb / med["kt"], 1), "sglang_gb_s": round(mb / med["sglang"], 1)})
+    print(f"\nMoE layer alone, decode-like (H={H}, I={I}, E={E}, top-{k}, {L} layers' weights in turn; expert LoRA "
+          f"r={r}; {num_threads()} threads; medians of {rounds * L} calls):")
+    print("| T | expert weights read MB | SGLang moe_forward_native ms | kt_serve ms | kt_serve + expert LoRA ms | "
+          "speed-up | speed-up with LoRA | kt_serve GB/s | SGLang GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r_ in rows:
-        print(f"| {r_['T']} | {r_['sglang_ms']} | {r_['kt_ms']} | {r_['kt_lora_ms']} | {r_['kt_vs_sglang']}x | "
-              f"{r_['kt_lora_vs_sglang']}x |", flush=True)
+        print(f"| {r_['T']} | {r_['weights_mb']} | {r_['sglang_ms']} | {r_['kt_ms']} | {r_['kt_lora_ms']} | "
+              f"{r_['kt_vs_sglang']}x | {r_['kt_lora_vs_sglang']}x | {r_['kt_gb_s']} | {r_['sglang_gb_s']} |", flush=True)
     return rows
 
 

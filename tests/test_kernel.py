@@ -103,6 +103,29 @@ def test_skipped_repeated_and_hot_expert(isa):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+def test_decode_batch_with_uneven_small_experts(isa):
+    # Decode-sized batches stream two weight blocks side by side (gate with up; neighbouring experts' down
+    # blocks). Row counts 1..7 per expert, neighbours unequal, so the paired rows and the leftover rows of the
+    # longer expert are both exercised; partial column blocks too (H, I not multiples of 64).
+    E, H, I, r, T, k = 10, 200, 136, 4, 9, 3
+    counts = [1, 3, 2, 2, 5, 1, 4, 0, 2, 7]
+    g = torch.Generator().manual_seed(13)
+    flat = torch.tensor([e for e, n in enumerate(counts) for _ in range(n)])
+    ids = flat[torch.randperm(T * k, generator=g)].reshape(T, k)
+    w = torch.rand(T, k, generator=g)
+    gate, up, down = make_weights(E, H, I, seed=12)
+    lo = make_lora(E, H, I, r, seed=14)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    m = MoEExperts(gate, up, down, isa=isa)
+    m.set_adapter(0, ExpertLoRA.from_kt(lo, lo["alpha"]))
+    for slots, lora in ((None, None), (0, lo)):
+        y = m.forward_sft(x, ids, w, slots=slots)
+        ref = moe_lora_reference(x, ids, w, gate, up, down, lora=lora)
+        for t in range(T):  # every token, so one wrong row cannot hide in the batch norm
+            assert rel_l2(y[t], ref[t]) <= TOL, t
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_fused_gate_up_equals_separate(isa):
     E, H, I = 4, 48, 20
     gate, up, down = make_weights(E, H, I, seed=9)
