@@ -14,6 +14,7 @@ namespace kt {
 
 using bf16 = uint16_t;
 constexpr int kBlockN = 64;
+constexpr int kPairRows = 3;
 
 inline float bf16_to_f32(bf16 v) {
   uint32_t u = static_cast<uint32_t>(v) << 16;
@@ -38,7 +39,8 @@ struct Kernels {
   void (*gemm_block)(int M, const bf16* A, int64_t lda, const bf16* block, int kp, float* C, int64_t ldc);
 
   // Two gemm_blocks of M rows each: C0 = A0 · block0, C1 = A1 · block1 (A0 may equal A1). With few rows a
-  // block is streamed from memory once; reading two blocks side by side keeps twice the loads in flight.
+  // block is streamed from memory once; reading two blocks side by side keeps twice the loads in flight
+  // (up to kPairRows rows; with more, each block is reused enough that the tables do one after the other).
   void (*gemm_block_pair)(int M, const bf16* A0, const bf16* A1, int64_t lda, const bf16* block0,
                           const bf16* block1, int kp, float* C0, float* C1, int64_t ldc);
 

@@ -64,8 +64,9 @@ void gemm_block_avx512(int M, const bf16* A, int64_t lda, const bf16* block, int
   }
 }
 
-// Up to 3 rows the blocks are streamed side by side (24 accumulators); more rows reuse each loaded block
-// enough that one block at a time with 6-row tiles is faster.
+// Up to kPairRows = 3 rows the blocks are streamed side by side (24 accumulators); more rows reuse each loaded
+// block enough that one block at a time with 6-row tiles is faster.
+static_assert(kt::kPairRows == 3, "gemm_block_pair_avx512 has micro-kernels for 1..3 rows");
 void gemm_block_pair_avx512(int M, const bf16* A0, const bf16* A1, int64_t lda, const bf16* block0,
                             const bf16* block1, int kp, float* C0, float* C1, int64_t ldc) {
   switch (M) {

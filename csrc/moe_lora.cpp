@@ -445,7 +445,8 @@ void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, 
     const auto& es = groups[grp];
     for (size_t i = 0; i < es.size(); ++i) {
       const int e = es[i], b = rt.expert_begin[e];
-      if (i + 1 < es.size() && rows(e) <= kRowBlock && rows(es[i + 1]) <= kRowBlock) {
+      if (i + 1 < es.size() && std::min(rows(e), rows(es[i + 1])) <= kPairRows &&
+          std::max(rows(e), rows(es[i + 1])) <= kRowBlock) {
         // Two small experts side by side (decode): their common rows stream both blocks at once; the longer
         // one's remaining rows then find its block in L2.
         const int e2 = es[++i], b2 = rt.expert_begin[e2], n = rows(e), n2 = rows(e2), m = std::min(n, n2);

@@ -240,11 +240,13 @@ class MoEExperts:
         topk_weights: torch.Tensor,
         save_for_backward: bool = False,
         slots: Union[None, int, torch.Tensor] = None,
+        out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``out[t] = Σ_k w[t,k] · expert_{ids[t,k]}(x[t])`` with the LoRA of ``slots[t]`` (-1: base only).
 
         x bf16 ``[T, H]``; topk_ids int32/int64 ``[T, k]`` (ids < 0 or >= E are skipped); topk_weights fp32
-        ``[T, k]``; slots None, one int for every token, or int32 ``[T]``. Returns a new bf16 ``[T, H]``.
+        ``[T, k]``; slots None, one int for every token, or int32 ``[T]``. Returns ``out`` (bf16 ``[T, H]``):
+        a new tensor, or the one given (e.g. pinned memory, for a copy to an accelerator).
         """
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
             raise ValueError(f"x must be a 2-D tensor [T, H], got {getattr(x, 'shape', type(x).__name__)}")
@@ -260,7 +262,10 @@ class MoEExperts:
         if T > self.max_tokens:
             raise ValueError(f"x has T={T} tokens, more than max_tokens={self.max_tokens} of this MoEExperts")
         slots_ptr, uniform_slot = self._slots_arg(slots, T)
-        out = torch.empty((T, self.hidden_size), dtype=torch.bfloat16)
+        if out is None:
+            out = torch.empty((T, self.hidden_size), dtype=torch.bfloat16)
+        else:
+            _expect(out, "out", (torch.bfloat16,), (T, self.hidden_size))
         if T == 0:
             if save_for_backward:
                 self._saved_T, self._saved_k = 0, k

@@ -1,9 +1,9 @@
 """End-to-end: stock ``python -m sglang.launch_server`` + the kt_serve plugin on CPU, queried with ``openai``.
 
 Every served logprob is compared with an fp32 HF transformers reference with the LoRA merged in plain torch
-(tests/serving_reference.py), within TOL nats. Four server start-ups in all (module-scoped fixtures):
-Qwen3-MoE with composite adapters, Qwen3-MoE with a global --kt-expert-lora-path, Qwen2-MoE (shared expert), and
-a refused start (mismatched expert adapter).
+(tests/serving_reference.py), within TOL nats. Five server start-ups in all: Qwen3-MoE with composite adapters,
+Qwen3-MoE with a global --kt-expert-lora-path, Qwen2-MoE (shared expert), Qwen3-MoE with --tp-size 2, and a
+refused start (mismatched expert adapter).
 """
 
 from __future__ import annotations
@@ -224,6 +224,20 @@ def test_qwen2_moe_shared_expert(server_q2, qwen2, with_adapter):
     model, both, ref, (prompt,) = qwen2
     ids, logprobs = complete(server_q2, f"{model}:both" if with_adapter else model, prompt)
     assert_matches_reference(ref, prompt, ids, logprobs, [both] if with_adapter else [])
+
+
+# -- server 4: tensor parallel on CPU (--tp-size 2) ---------------------------------------------------------
+def test_tensor_parallel_two_ranks(qwen3):
+    """--tp-size 2: attention sharded by SGLang, routed experts once per token on rank 0 (the others add zeros to
+    SGLang's all-reduce), the expert half of a composite adapter bound on rank 0 only: same numbers as tp=1.
+    On this one-NUMA-node host the plugin splits the cores between the ranks (no SGLANG_CPU_OMP_THREADS_BIND)."""
+    model, adapters, ref, prompts = qwen3
+    args = ["--tp-size", "2", "--kt-expert-lora-path", str(adapters["global"])] + LORA_ARGS + [
+        "--lora-paths", f"both={adapters['both']}"]
+    with SGLangServer(model, args) as server:
+        for name, expected in ((None, ["global"]), ("both", ["both"])):
+            ids, logprobs = complete(server, model if name is None else f"{model}:{name}", prompts[0])
+            assert_matches_reference(ref, prompts[0], ids, logprobs, [adapters[k] for k in expected])
 
 
 # -- refused start-up ---------------------------------------------------------------------------------------

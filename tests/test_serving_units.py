@@ -39,3 +39,61 @@ def test_config_round_trips_through_the_environment():
     assert KTServeConfig.from_env(env) == KTServeConfig(expert_lora_path="/x", threads=3, max_expert_loras=5)
     with pytest.raises(ValueError, match="kt-moe"):
         KTServeConfig(moe="maybe")
+
+
+def test_torch_omp_spin_is_shortened_only_where_unset_and_kernel_on():
+    env = {}
+    KTServeConfig().export(env)
+    assert env["GOMP_SPINCOUNT"] == "10000"
+    env = {"OMP_WAIT_POLICY": "ACTIVE"}
+    KTServeConfig().export(env)
+    assert "GOMP_SPINCOUNT" not in env  # the user's choice wins
+    env = {}
+    KTServeConfig(moe="off").export(env)
+    assert "GOMP_SPINCOUNT" not in env  # SGLang's own MoE path: leave torch as it is
+
+
+@pytest.mark.parametrize("nodes, tp, user, expected", [
+    (["0,1,2,3"], 2, None, "0,1|2,3"),           # one node, two ranks: cores split evenly
+    (["0,1,2,3"], 3, None, "0|1|2"),
+    (["0,1", "2,3"], 2, None, None),             # a node per rank: SGLang's own binding
+    (["0,1"], 4, None, None),                    # more ranks than cores: SGLang explains
+    (["0,1,2,3"], 2, "0-1|2-3", "0-1|2-3"),      # the user's binding wins
+])
+def test_cores_split_between_tp_ranks(monkeypatch, nodes, tp, user, expected):
+    import sglang.srt.utils.common as common
+    from types import SimpleNamespace
+
+    from kt_serve.sglang_plugin import cpu_compat
+
+    monkeypatch.setattr(common, "get_cpu_ids_by_node", lambda: nodes)
+    monkeypatch.setattr(cpu_compat, "cpu_only_host", lambda: True)
+    env = {} if user is None else {"SGLANG_CPU_OMP_THREADS_BIND": user}
+    cpu_compat.split_cores_between_ranks(SimpleNamespace(tp_size=tp, pp_size=1, dp_size=1), env)
+    assert env.get("SGLANG_CPU_OMP_THREADS_BIND") == expected
+
+
+@pytest.mark.parametrize("x_dtype, ids_dtype", [(torch.float32, torch.int64), (torch.bfloat16, torch.int32)])
+def test_offload_round_trip_logic_on_cpu(x_dtype, ids_dtype):
+    """The accelerator path (copies to host buffers, kernel into a given output, copy back in the caller's dtype),
+    driven with CPU tensors: same numbers as the fp32 reference, output in x's dtype."""
+    from kt_serve.kernel import ExpertLoRA, MoEExperts
+    from kt_serve.sglang_plugin.experts import KTRoutedExpertsMethod
+    from moe_reference import moe_lora_reference
+
+    E, H, I, r, T, k = 6, 48, 40, 4, 5, 2
+    g = torch.Generator().manual_seed(3)
+    gate, up, down = ((torch.randn(*s, generator=g) * 0.1).bfloat16() for s in ((E, I, H), (E, I, H), (E, H, I)))
+    shapes = [(E, r, H), (E, I, r), (E, r, H), (E, I, r), (E, r, I), (E, H, r)]
+    lora = ExpertLoRA(*((torch.randn(*s, generator=g) * 0.1).bfloat16() for s in shapes), alpha=8.0)
+    method = KTRoutedExpertsMethod.__new__(KTRoutedExpertsMethod)
+    method.experts = MoEExperts(gate, up, down)
+    method.experts.set_adapter(1, lora)
+    x = torch.randn(T, H, generator=g).bfloat16().to(x_dtype)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(ids_dtype)
+    w = torch.rand(T, k, generator=g).half()  # routing weights arrive in the model's dtype
+    y = method._forward_offload(x, ids, w, 1)
+    assert y.dtype == x_dtype and y.shape == (T, H)
+    ref = moe_lora_reference(x.bfloat16(), ids.long(), w.float(), gate, up, down, lora=lora.to_kt() | {"alpha": 8.0})
+    assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+    assert torch.equal(y, method._forward_cpu(x, ids, w, 1))

@@ -10,6 +10,7 @@ import argparse
 import os
 
 from .config import KTServeConfig
+from .cpu_compat import split_cores_between_ranks
 
 # (flag, dest, argparse kwargs); dest names equal KTServeConfig fields.
 FLAGS = [
@@ -59,4 +60,5 @@ def from_cli_args_hook(server_args, *args, **kwargs):
             raise SystemExit(f"--kt-expert-lora-path {config.expert_lora_path}: not a directory")
         config = KTServeConfig(**{**values, "expert_lora_path": path})
     config.export()
+    split_cores_between_ranks(server_args)
     return server_args

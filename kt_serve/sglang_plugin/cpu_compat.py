@@ -21,6 +21,24 @@ def cpu_only_host() -> bool:
     return os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" and not torch.cuda.is_available()
 
 
+def split_cores_between_ranks(server_args, environ=os.environ) -> None:
+    """SGLang's CPU engine gives each rank one NUMA node's cores and refuses more ranks than nodes unless
+    SGLANG_CPU_OMP_THREADS_BIND names cores per rank (sglang/srt/utils/numa_utils.py). With fewer nodes than
+    ranks (e.g. --tp-size 2 on a one-node host) split the physical cores evenly instead. Runs in the launcher,
+    before the schedulers are spawned; a user's own setting wins."""
+    if not cpu_only_host() or environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
+        return
+    from sglang.srt.utils.common import get_cpu_ids_by_node
+
+    ranks = server_args.tp_size * server_args.pp_size * server_args.dp_size
+    nodes = get_cpu_ids_by_node()
+    cpus = [c for node in nodes for c in node.split(",")]
+    if ranks <= len(nodes) or ranks > len(cpus):
+        return  # SGLang's default binding works, or it explains why no binding can
+    per = len(cpus) // ranks
+    environ["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(",".join(cpus[i * per:(i + 1) * per]) for i in range(ranks))
+
+
 def _drop_pin_memory(factory):
     @functools.wraps(factory)
     def wrapper(*args, **kwargs):

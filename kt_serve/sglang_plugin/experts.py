@@ -155,25 +155,36 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
         return StandardCombineInput(hidden_states=out)
 
     def _forward_cpu(self, x, topk_ids, topk_weights, slots):
-        y = self.experts.forward_sft(x.to(torch.bfloat16).contiguous(), topk_ids, topk_weights.float(),
-                                     save_for_backward=False, slots=slots)
+        y = self.experts.forward_sft(x.to(torch.bfloat16).contiguous(), topk_ids.contiguous(),
+                                     topk_weights.float().contiguous(), save_for_backward=False, slots=slots)
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def _forward_offload(self, x, topk_ids, topk_weights, slots):
-        """Accelerator host: copy activations and routing to the CPU, run the kernel, copy the result back.
+        """Accelerator host: attention stays on the device, the routed experts run in the CPU kernel.
 
-        The copies go through pinned buffers (non_blocking), so the device->host copy of the routing overlaps the
-        one of the activations; the stream is synchronised once before the kernel reads them.
+        Activations and routing go device -> host into pinned buffers (non_blocking, so the three copies overlap);
+        only the current stream is waited for, once: where SGLang runs the shared expert on its side stream
+        (alt_stream in qwen2_moe / deepseek_v2), that overlaps the kernel. The kernel writes into a pinned output
+        whose copy back is non_blocking too. torch's pinned-memory cache makes the buffers free after the first
+        calls and keeps each one until its copies are done, so none is reused under a copy in flight.
+        Also runs, without pinning or waiting, for tensors already on the CPU (how the tests drive it).
         """
-        x_cpu = torch.empty(x.shape, dtype=torch.bfloat16, pin_memory=True)
-        ids_cpu = torch.empty(topk_ids.shape, dtype=topk_ids.dtype, pin_memory=True)
-        w_cpu = torch.empty(topk_weights.shape, dtype=torch.float32, pin_memory=True)
-        x_cpu.copy_(x.to(torch.bfloat16), non_blocking=True)
-        ids_cpu.copy_(topk_ids, non_blocking=True)
-        w_cpu.copy_(topk_weights.float(), non_blocking=True)
-        torch.cuda.current_stream(x.device).synchronize()
-        y = self._forward_cpu(x_cpu, ids_cpu, w_cpu, slots).pin_memory()
-        return y.to(x.device, dtype=x.dtype, non_blocking=True)
+        device = x.device
+        pin = device.type != "cpu"
+
+        def to_host(t, dtype):
+            host = torch.empty(t.shape, dtype=dtype, pin_memory=pin)
+            host.copy_(t, non_blocking=pin)
+            return host
+
+        x_cpu = to_host(x, torch.bfloat16)
+        ids_cpu = to_host(topk_ids, topk_ids.dtype)
+        w_cpu = to_host(topk_weights, torch.float32)
+        if pin:
+            torch.cuda.current_stream(device).synchronize()
+        y = torch.empty(x_cpu.shape, dtype=torch.bfloat16, pin_memory=pin)
+        self.experts.forward_sft(x_cpu, ids_cpu, w_cpu, save_for_backward=False, slots=slots, out=y)
+        return y.to(device, dtype=x.dtype, non_blocking=pin)
 
 
 def use_kt_method(layer_kwargs: dict) -> bool:
