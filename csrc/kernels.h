@@ -44,13 +44,14 @@ struct Kernels {
   void (*gemm_block_pair)(int M, const bf16* A0, const bf16* A1, int64_t lda, const bf16* block0,
                           const bf16* block1, int kp, float* C0, float* C1, int64_t ldc);
 
-  // LoRA down-projection: T[m][j] = Σ_k X[m][k] · A[j][k], j < r. A fp32 [r, K].
-  void (*lora_a_bf16)(int M, const bf16* X, int64_t ldx, const float* A, int r, int K, float* T, int64_t ldt);
-  void (*lora_a_f32)(int M, const float* X, int64_t ldx, const float* A, int r, int K, float* T, int64_t ldt);
+  // LoRA weights stay bf16 as given (half the bytes to read); all LoRA arithmetic is fp32.
+  // LoRA down-projection: T[m][j] = Σ_k X[m][k] · A[j][k], j < r. A bf16 [r, K].
+  void (*lora_a_bf16)(int M, const bf16* X, int64_t ldx, const bf16* A, int r, int K, float* T, int64_t ldt);
+  void (*lora_a_f32)(int M, const float* X, int64_t ldx, const bf16* A, int r, int K, float* T, int64_t ldt);
 
-  // LoRA up-projection added to an output tile: C[m][c] += s · Σ_j T[m][j] · BT[j][c], c < nc. BT fp32 rows
+  // LoRA up-projection added to an output tile: C[m][c] += s · Σ_j T[m][j] · BT[j][c], c < nc. BT bf16 rows
   // with stride ldb (BT = Bᵀ, i.e. [r, N]).
-  void (*lora_b_add)(int M, const float* T, int64_t ldt, int r, const float* BT, int64_t ldb, int nc, float s,
+  void (*lora_b_add)(int M, const float* T, int64_t ldt, int r, const bf16* BT, int64_t ldb, int nc, float s,
                      float* C, int64_t ldc);
 
   // Rank-r gradient accumulation: G[j][k] += s · Σ_m Q[m][j] · X[m][k] for j < r, k < nk. G fp32 rows with

@@ -88,7 +88,7 @@ inline __m512 load16(const bf16* p, __mmask16 k) {
 
 // T[m][j] = Σ_k X[m][k] A[j][k]: four A rows at a time share each load of X.
 template <typename TX>
-void lora_a_avx512(int M, const TX* X, int64_t ldx, const float* A, int r, int K, float* T, int64_t ldt) {
+void lora_a_avx512(int M, const TX* X, int64_t ldx, const bf16* A, int r, int K, float* T, int64_t ldt) {
   for (int m = 0; m < M; ++m) {
     const TX* x = X + m * ldx;
     int j = 0;
@@ -99,17 +99,17 @@ void lora_a_avx512(int M, const TX* X, int64_t ldx, const float* A, int r, int K
         const __mmask16 mask = K - k >= 16 ? __mmask16(0xffff) : __mmask16((1u << (K - k)) - 1);
         const __m512 xv = load16(x + k, mask);
         for (int q = 0; q < nj; ++q)
-          acc[q] = _mm512_fmadd_ps(xv, _mm512_maskz_loadu_ps(mask, A + static_cast<int64_t>(j + q) * K + k), acc[q]);
+          acc[q] = _mm512_fmadd_ps(xv, load16(A + static_cast<int64_t>(j + q) * K + k, mask), acc[q]);
       }
       for (int q = 0; q < nj; ++q) T[m * ldt + j + q] = _mm512_reduce_add_ps(acc[q]);
     }
   }
 }
 
-void lora_a_bf16_avx512(int M, const bf16* X, int64_t ldx, const float* A, int r, int K, float* T, int64_t ldt) {
+void lora_a_bf16_avx512(int M, const bf16* X, int64_t ldx, const bf16* A, int r, int K, float* T, int64_t ldt) {
   lora_a_avx512<bf16>(M, X, ldx, A, r, K, T, ldt);
 }
-void lora_a_f32_avx512(int M, const float* X, int64_t ldx, const float* A, int r, int K, float* T, int64_t ldt) {
+void lora_a_f32_avx512(int M, const float* X, int64_t ldx, const bf16* A, int r, int K, float* T, int64_t ldt) {
   lora_a_avx512<float>(M, X, ldx, A, r, K, T, ldt);
 }
 

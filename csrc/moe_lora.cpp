@@ -201,6 +201,14 @@ void for_segments(const MoELoRA::Route& rt, int e, int r0, int r1, F&& fn) {
 
 thread_local float tl_tile[2][kRowBlock * kBlockN];
 
+// Asks for rows [p + j*ld, p + j*ld + n) of a bf16 matrix, j < rows, to be brought towards L2. A task's slice of
+// LoRA B is rank short rows far apart, which the hardware prefetcher does not follow; asked for before the base
+// GEMM streams its weight block, they arrive while it runs.
+inline void prefetch_rows(const bf16* p, int rows, int64_t ld, int n) {
+  for (int j = 0; j < rows; ++j)
+    for (int c = 0; c < n; c += 32) __builtin_prefetch(p + j * ld + c, 0, 2);
+}
+
 }  // namespace
 
 // Everything one forward keeps for the backward; also the scratch of a forward that saves nothing
@@ -252,17 +260,16 @@ void MoELoRA::set_adapter(int slot, int r, float alpha, const bf16* ga, const bf
   auto a = std::make_shared<Adapter>();
   a->rank = r;
   a->scale = alpha / static_cast<float>(r);
-  // A [E, r, in] kept as is (fp32); B [E, out, r] stored transposed as [E, r, out].
-  auto copy_a = [&](std::vector<float>& dst, const bf16* src, int in) {
-    dst.resize(static_cast<size_t>(E_) * r * in);
-    for (size_t i = 0; i < dst.size(); ++i) dst[i] = bf16_to_f32(src[i]);
+  // A [E, r, in] kept as is; B [E, out, r] stored transposed as [E, r, out].
+  auto copy_a = [&](std::vector<bf16>& dst, const bf16* src, int in) {
+    dst.assign(src, src + static_cast<size_t>(E_) * r * in);
   };
-  auto copy_bt = [&](std::vector<float>& dst, const bf16* src, int out) {
+  auto copy_bt = [&](std::vector<bf16>& dst, const bf16* src, int out) {
     dst.resize(static_cast<size_t>(E_) * r * out);
     for (int e = 0; e < E_; ++e)
       for (int n = 0; n < out; ++n)
         for (int j = 0; j < r; ++j)
-          dst[(static_cast<size_t>(e) * r + j) * out + n] = bf16_to_f32(src[(static_cast<size_t>(e) * out + n) * r + j]);
+          dst[(static_cast<size_t>(e) * r + j) * out + n] = src[(static_cast<size_t>(e) * out + n) * r + j];
   };
   copy_a(a->gate_a, ga, H_);
   copy_bt(a->gate_bt, gb, I_);
@@ -383,6 +390,13 @@ void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, 
     float* Cg = tl_tile[0];
     float* Cu = tl_tile[1];
     const bf16* xr = X + t.r0 * ldx;
+    for_segments(rt, t.e, t.r0, t.r1, [&](const Route::Segment& s, int, int) {
+      if (const Adapter* a = rt.seg_adapter(s)) {
+        const size_t off = static_cast<size_t>(t.e) * a->rank * I + c0;
+        prefetch_rows(a->gate_bt.data() + off, a->rank, I, nc);
+        prefetch_rows(a->up_bt.data() + off, a->rank, I, nc);
+      }
+    });
     k_.gemm_block_pair(M, xr, xr, ldx, gate_.block(t.e, t.cb), up_.block(t.e, t.cb), gate_.kp, Cg, Cu, kBlockN);
     for_segments(rt, t.e, t.r0, t.r1, [&](const Route::Segment& s, int b, int end) {
       const Adapter* a = rt.seg_adapter(s);
@@ -442,6 +456,12 @@ void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, 
       }
     };
     auto rows = [&](int e) { return rt.expert_begin[e + 1] - rt.expert_begin[e]; };
+    auto prefetch_lora = [&](int e) {
+      for_segments(rt, e, rt.expert_begin[e], rt.expert_begin[e + 1], [&](const Route::Segment& s, int, int) {
+        if (const Adapter* a = rt.seg_adapter(s))
+          prefetch_rows(a->down_bt.data() + static_cast<size_t>(e) * a->rank * H + c0, a->rank, H, nc);
+      });
+    };
     const auto& es = groups[grp];
     for (size_t i = 0; i < es.size(); ++i) {
       const int e = es[i], b = rt.expert_begin[e];
@@ -450,6 +470,8 @@ void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, 
         // Two small experts side by side (decode): their common rows stream both blocks at once; the longer
         // one's remaining rows then find its block in L2.
         const int e2 = es[++i], b2 = rt.expert_begin[e2], n = rows(e), n2 = rows(e2), m = std::min(n, n2);
+        prefetch_lora(e);
+        prefetch_lora(e2);
         float* C = tl_tile[0];
         float* C2 = tl_tile[1];
         k_.gemm_block_pair(m, Hb + b * ldh, Hb + b2 * ldh, ldh, down_.block(e, cb), down_.block(e2, cb), down_.kp, C,
@@ -461,6 +483,7 @@ void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, 
         finish(e2, b2, b2 + n2, C2);
         continue;
       }
+      prefetch_lora(e);
       for (int r0 = b; r0 < rt.expert_begin[e + 1]; r0 += kRowBlock) {
         const int r1 = std::min(r0 + kRowBlock, rt.expert_begin[e + 1]);
         k_.gemm_block(r1 - r0, Hb + r0 * ldh, ldh, down_.block(e, cb), down_.kp, tl_tile[0], kBlockN);

@@ -62,9 +62,9 @@ struct PackedWeights {
 struct Adapter {
   int rank = 0;
   float scale = 0.f;  // alpha / rank
-  // fp32, per expert: A as given ([r, in]) and B transposed ([r, out]); the same two arrays serve the forward
+  // bf16 as given, per expert: A ([r, in]) and B transposed ([r, out]); the same two arrays serve the forward
   // (t = x Aᵀ, y += s t Bᵀ) and the backward (t' = dy B, dx += s t' A).
-  std::vector<float> gate_a, gate_bt, up_a, up_bt, down_a, down_bt;
+  std::vector<bf16> gate_a, gate_bt, up_a, up_bt, down_a, down_bt;
 };
 
 struct GradBuffers {  // caller-owned fp32 tensors in the KT layout; accumulated into
