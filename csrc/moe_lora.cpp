@@ -87,7 +87,8 @@ struct MoELoRA::Route {
   std::vector<int> pair_tk, tk_pair;  // sorted pair -> t*k + j; t*k + j -> sorted pair or -1
   std::vector<int> expert_begin;      // [E + 1]
   std::vector<int> active;            // experts with at least one pair
-  std::vector<Segment> segs;
+  std::vector<Segment> segs;          // by expert, then slot
+  std::vector<int> expert_seg;        // [E + 1]: segments [expert_seg[e], expert_seg[e + 1]) are expert e's
   std::vector<Chunk> chunks;          // segments cut into kChunkRows pieces
   std::vector<const Adapter*> adapter;  // by slot, for the slots in use
   std::vector<std::shared_ptr<const Adapter>> keep;  // holds them alive for the call (and the backward)
@@ -138,8 +139,10 @@ void build_route(MoELoRA::Route& rt, int E, int T, int k, const Id* ids, const i
   auto slot_of = [&](int tk) { return slots ? slots[tk / k] : uniform_slot; };
   rt.active.clear();
   rt.segs.clear();
+  rt.expert_seg.assign(E + 1, 0);
   for (int e = 0; e < E; ++e) {
     const int b = rt.expert_begin[e], end = rt.expert_begin[e + 1];
+    rt.expert_seg[e] = static_cast<int>(rt.segs.size());
     if (b == end) continue;
     rt.active.push_back(e);
     if (slots)
@@ -153,6 +156,7 @@ void build_route(MoELoRA::Route& rt, int E, int T, int k, const Id* ids, const i
       p = q;
     }
   }
+  rt.expert_seg[E] = static_cast<int>(rt.segs.size());
   for (int p = 0; p < rt.P; ++p) rt.tk_pair[rt.pair_tk[p]] = p;
   rt.chunks.clear();
   for (int si = 0; si < static_cast<int>(rt.segs.size()); ++si)
@@ -193,8 +197,9 @@ std::vector<std::vector<int>> expert_groups(const MoELoRA::Route& rt, int nblock
 // Calls fn(segment, r0, r1) for each segment of expert e that intersects rows [r0, r1).
 template <typename F>
 void for_segments(const MoELoRA::Route& rt, int e, int r0, int r1, F&& fn) {
-  for (const auto& s : rt.segs) {
-    if (s.e != e || s.end <= r0 || s.begin >= r1) continue;
+  for (int i = rt.expert_seg[e]; i < rt.expert_seg[e + 1]; ++i) {
+    const auto& s = rt.segs[i];
+    if (s.end <= r0 || s.begin >= r1) continue;
     fn(s, std::max(s.begin, r0), std::min(s.end, r1));
   }
 }

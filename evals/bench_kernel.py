@@ -19,10 +19,14 @@ import statistics
 import sys
 import time
 
-import torch
-import torch.nn.functional as F
+from kt_serve.cpu_threads import share_cores_with_torch
 
-from kt_serve.kernel import ExpertLoRA, MoEExperts, cpu_isa, num_threads, set_num_threads
+share_cores_with_torch()  # as the plugin does for the server; before torch loads its OpenMP runtime
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from kt_serve.kernel import ExpertLoRA, MoEExperts, cpu_isa, num_threads, set_num_threads  # noqa: E402
 
 
 def timeit(fn, repeats: int, warmup: int = 2, budget_s: float = 20.0):

@@ -3,7 +3,8 @@
     python evals/bench_serving.py [--out DIR] [--hidden 1024 --moe-intermediate 512 --experts 64 --top-k 8 --layers 8]
                                   [--tokens 64] [--streams 1 8]
 
-Rows (each its own server start, same random model):
+Rows (one server each, same random model; all started first, then measured in turns: every stream count, row
+after row, --repeats times, the median run kept, so a slow drift of the machine hits every row alike):
   sglang        SGLang without our plugin (SGLANG_PLUGINS excludes it): its per-expert torch loop
   kt base       routed experts in the kt_serve kernel, no adapter
   kt expert     ... with --kt-expert-lora-path (every request gets the expert LoRA)
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import os
 import sys
 import tempfile
@@ -33,9 +35,12 @@ from pathlib import Path
 import psutil
 import statistics
 
-from kt_serve.sglang_plugin.config import share_cores_with_torch
+from kt_serve.cpu_threads import TORCH_OMP_SPIN, share_cores_with_torch
 
-share_cores_with_torch()  # what the plugin does for the server; before torch loads its OpenMP runtime
+# What the plugin does for its servers, here for the in-process MoE-layer part (before torch loads its OpenMP
+# runtime); the SGLang-only server gets the environment as the user left it.
+USER_ENV = {TORCH_OMP_SPIN[0]: os.environ.get(TORCH_OMP_SPIN[0])}
+share_cores_with_torch()
 
 from kt_serve.server import SGLangServer  # noqa: E402
 from kt_serve.tiny_model import build_tiny_moe  # noqa: E402
@@ -182,6 +187,7 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--repeats", type=int, default=3, help="turns of every row at every stream count (median kept)")
     ap.add_argument("--rows", nargs="+", default=["sglang", "kt base", "kt expert", "kt mixed"])
     ap.add_argument("--moe-only", action="store_true", help="only the in-process MoE-layer comparison")
     a = ap.parse_args(argv)
@@ -196,23 +202,31 @@ def main(argv=None):
     comp_b = write_kt_adapter(out / "b", model, seed=3, rank=8, alpha=16.0)
     lora = ["--enable-lora", "--lora-backend", "torch_native", "--max-loras-per-batch", "4"]
     rows = {
-        "sglang": ([], {"SGLANG_PLUGINS": "none"}, [model]),
+        "sglang": ([], {"SGLANG_PLUGINS": "none", **USER_ENV}, [model]),
         "kt base": ([], {}, [model]),
         "kt expert": (["--kt-expert-lora-path", str(expert)], {}, [model]),
         "kt mixed": (lora + ["--lora-paths", f"a={comp_a}", f"b={comp_b}"], {}, [model, f"{model}:a", f"{model}:b"]),
     }
     prompt = list(range(3, 35))
     results = {}
-    for name in a.rows:
-        args, env, models = rows[name]
-        server = SGLangServer(model, args + ["--max-running-requests", str(max(a.streams))], env=env,
-                              max_total_tokens=8192, log_path=out / f"{name.replace(' ', '_')}.log")
-        with server:
-            rss = PeakRSS(server.proc.pid)
-            runs = {s: decode_run(server, models, s, a.tokens, prompt) for s in a.streams}
-            results[name] = (runs, rss.stop())
-        print(f"{name}: " + ", ".join(f"{s} streams {r['tok_s']:.1f} tok/s" for s, r in runs.items()) +
-              f", peak RSS {results[name][1] / 2**30:.2f} GiB", flush=True)
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for name in a.rows:  # all up at once; idle ones sleep (--sleep-on-idle) while another is measured
+            args, env, models = rows[name]
+            server = stack.enter_context(SGLangServer(
+                model, args + ["--max-running-requests", str(max(a.streams)), "--sleep-on-idle"], env=env,
+                max_total_tokens=8192, log_path=out / f"{name.replace(' ', '_')}.log"))
+            servers[name] = (server, models, PeakRSS(server.proc.pid))
+        runs = {name: {s: [] for s in a.streams} for name in servers}
+        for _ in range(a.repeats):  # rows take turns, so a slow drift of the machine hits every row alike
+            for s in a.streams:
+                for name, (server, models, _) in servers.items():
+                    runs[name][s].append(decode_run(server, models, s, a.tokens, prompt))
+        for name, (_, _, rss) in servers.items():
+            median = {s: sorted(v, key=lambda r: r["tok_s"])[len(v) // 2] for s, v in runs[name].items()}
+            results[name] = (median, rss.stop())
+            print(f"{name}: " + ", ".join(f"{s} streams {r['tok_s']:.1f} tok/s" for s, r in median.items()) +
+                  f", peak RSS {results[name][1] / 2**30:.2f} GiB", flush=True)
 
     rows = []
     for name, (runs, rss) in results.items():

@@ -45,12 +45,13 @@ class SGLangServer:
     """Context manager around one SGLang server process tree.
 
     model_path: checkpoint dir; extra_args: further launch_server flags; device: "cpu" sets the CPU engine env;
-    max_total_tokens: KV-cache size (keep it small on CPU, else SGLang reserves most of the RAM).
+    max_total_tokens: KV-cache size (keep it small on CPU, else SGLang reserves most of the RAM); env: variables
+    for the server on top of this process's (None removes one).
     """
 
     def __init__(self, model_path, extra_args=(), *, device: str = "cpu", port: int | None = None,
                  max_total_tokens: int = 2048, startup_timeout: float = 300.0, log_path=None,
-                 env: dict[str, str] | None = None, python: str = sys.executable):
+                 env: dict[str, str | None] | None = None, python: str = sys.executable):
         self.model_path = str(model_path)
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -60,7 +61,11 @@ class SGLangServer:
                     "--port", str(self.port), "--device", device, "--max-total-tokens", str(max_total_tokens),
                     *map(str, extra_args)]
         self.env = cpu_env() if device == "cpu" else dict(os.environ)
-        self.env.update(env or {})
+        for key, value in (env or {}).items():  # None unsets a variable
+            if value is None:
+                self.env.pop(key, None)
+            else:
+                self.env[key] = value
         self.proc: subprocess.Popen | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
+from kt_serve.cpu_threads import share_cores_with_torch
+
 ENV_PREFIX = "KT_SERVE_"
 
 
@@ -60,19 +62,6 @@ class KTServeConfig:
                 environ[self.env_name(f.name)] = str(value)
         if self.enabled:
             share_cores_with_torch(environ)
-
-
-# After each parallel op torch's OpenMP threads (GNU libgomp) spin for ~300k iterations before sleeping. Between
-# two layers' MoE calls that keeps them on the very cores the kernel's workers need: at 8 decode streams
-# (evals/bench_serving.py --moe-only) the MoE layer took 7.4 ms instead of 5.0. A short spin keeps back-to-back
-# torch ops cheap and frees the cores soon after. libgomp reads it when loaded, so it is set in the launcher,
-# before the schedulers are spawned, and only where the user chose neither variable.
-TORCH_OMP_SPIN = ("GOMP_SPINCOUNT", "10000")
-
-
-def share_cores_with_torch(environ=os.environ) -> None:
-    if "GOMP_SPINCOUNT" not in environ and "OMP_WAIT_POLICY" not in environ:
-        environ[TORCH_OMP_SPIN[0]] = TORCH_OMP_SPIN[1]
 
 
 _config: KTServeConfig | None = None
