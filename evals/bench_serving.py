@@ -83,13 +83,20 @@ def percentile(values: list[float], q: float) -> float:
     return v[min(len(v) - 1, max(0, round(q / 100 * (len(v) - 1))))]
 
 
-def decode_run(server, models: list[str], streams: int, tokens: int, prompt: list[int], rounds: int = 2) -> dict:
+def stream_prompt(i: int, length: int = 32, vocab: int = 1000) -> list[int]:
+    """Stream i's prompt. Each stream gets its own: identical greedy streams would route every token of a decode
+    batch to the same experts and hide the MoE cost of a real batch."""
+    return [3 + (i * 7919 + j * 104729) % (vocab - 3) for j in range(length)]
+
+
+def decode_run(server, models: list[str], streams: int, tokens: int, rounds: int = 2) -> dict:
     """`rounds` waves of `streams` concurrent greedy requests; tok/s over the waves and latency percentiles."""
-    body = lambda m: {"model": m, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+    body = lambda i: {"model": models[i % len(models)], "prompt": stream_prompt(i), "max_tokens": tokens,  # noqa: E731
+                      "temperature": 0, "ignore_eos": True}
 
     def one(i):
         t0 = time.perf_counter()
-        status, r = server.post("/v1/completions", body(models[i % len(models)]), timeout=600)
+        status, r = server.post("/v1/completions", body(i), timeout=600)
         if status != 200:
             raise RuntimeError(f"request for {models[i % len(models)]} failed: HTTP {status} {r}")
         return r["usage"]["completion_tokens"], time.perf_counter() - t0
@@ -207,7 +214,6 @@ def main(argv=None):
         "kt expert": (["--kt-expert-lora-path", str(expert)], {}, [model]),
         "kt mixed": (lora + ["--lora-paths", f"a={comp_a}", f"b={comp_b}"], {}, [model, f"{model}:a", f"{model}:b"]),
     }
-    prompt = list(range(3, 35))
     results = {}
     with contextlib.ExitStack() as stack:
         servers = {}
@@ -221,7 +227,7 @@ def main(argv=None):
         for _ in range(a.repeats):  # rows take turns, so a slow drift of the machine hits every row alike
             for s in a.streams:
                 for name, (server, models, _) in servers.items():
-                    runs[name][s].append(decode_run(server, models, s, a.tokens, prompt))
+                    runs[name][s].append(decode_run(server, models, s, a.tokens))
         for name, (_, _, rss) in servers.items():
             median = {s: sorted(v, key=lambda r: r["tok_s"])[len(v) // 2] for s, v in runs[name].items()}
             results[name] = (median, rss.stop())
