@@ -1,8 +1,8 @@
 """Supervised fine-tuning data: LLaMA-Factory ``dataset_info.json`` datasets (alpaca, sharegpt) to token ids.
 
-Every example becomes a list of chat messages, is rendered by a chat template into (text, is_response) segments,
-and is tokenised segment by segment so that the loss mask is exact: labels are -100 everywhere except on
-assistant turns (their end-of-turn marker included, so that the model learns to stop).
+Every example becomes a list of chat messages, which a chat template (:mod:`kt_serve.train.templates`) turns into
+input ids and labels: -100 everywhere except on assistant turns (their end-of-turn marker included, so that the
+model learns to stop).
 """
 
 from __future__ import annotations
@@ -16,14 +16,13 @@ from typing import Iterator
 
 import torch
 
+# Re-exported: callers import the template API and the shared error from here.
+from kt_serve.train.templates import (  # noqa: F401
+    IGNORE_INDEX, NAMED_TEMPLATES, DataError, TokenizerTemplate, get_template)
+
 logger = logging.getLogger(__name__)
 
-IGNORE_INDEX = -100
 DATASET_INFO = "dataset_info.json"
-
-
-class DataError(ValueError):
-    """Bad dataset file, dataset_info entry or template; the message names the file and the field."""
 
 
 # ---------------------------------------------------------------------------------------------------- datasets
@@ -142,81 +141,6 @@ def load_dataset_specs(dataset_dir: str | Path, names: list[str]) -> list[Datase
     return [DatasetSpec.from_info(n, info[n], dataset_dir) for n in names]
 
 
-# ---------------------------------------------------------------------------------------------------- templates
-
-class TokenizerTemplate:
-    """The tokenizer's own ``chat_template``, the same one a server applies to chat requests.
-
-    Each assistant turn is located as the text that rendering ``messages[:i+1]`` adds to rendering
-    ``messages[:i]`` with the generation prompt; templates that rewrite earlier turns are refused.
-    """
-
-    name = "tokenizer"
-
-    def __init__(self, tokenizer):
-        if not getattr(tokenizer, "chat_template", None):
-            raise DataError("template: the tokenizer has no chat_template; set `template:` to a named template")
-        self.tokenizer = tokenizer
-
-    def _render(self, messages, add_generation_prompt):
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-
-    def segments(self, messages: list[dict]) -> list[tuple[str, bool]]:
-        segments, done = [], ""
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            prompt = self._render(messages[:i], add_generation_prompt=True)
-            full = self._render(messages[: i + 1], add_generation_prompt=False)
-            if not (prompt.startswith(done) and full.startswith(prompt)):
-                raise DataError("template: the tokenizer's chat_template is not prefix-stable (it rewrites earlier "
-                                "turns); set `template:` to a named template")
-            segments += [(prompt[len(done):], False), (full[len(prompt):], True)]
-            done = full
-        return segments
-
-
-@dataclass(frozen=True)
-class FormatTemplate:
-    """A fixed-string chat format (LLaMA-Factory style). ``{content}`` is replaced by the turn's text."""
-
-    name: str
-    prefix: str
-    system: str
-    user: str
-    assistant: str
-
-    def segments(self, messages: list[dict]) -> list[tuple[str, bool]]:
-        segments, pending = [], self.prefix
-        for message in messages:
-            role, content = message["role"], message["content"]
-            if role == "assistant":
-                segments += [(pending, False), (self.assistant.format(content=content), True)]
-                pending = ""
-            else:
-                pending += (self.system if role == "system" else self.user).format(content=content)
-        return segments
-
-
-NAMED_TEMPLATES = {
-    t.name: t
-    for t in (
-        FormatTemplate("chatml", "", "<|im_start|>system\n{content}<|im_end|>\n",
-                       "<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n", "{content}<|im_end|>\n"),
-        FormatTemplate("deepseek3", "<｜begin▁of▁sentence｜>", "{content}", "<｜User｜>{content}<｜Assistant｜>",
-                       "{content}<｜end▁of▁sentence｜>"),
-    )
-}
-
-
-def get_template(name: str, tokenizer):
-    if name == TokenizerTemplate.name:
-        return TokenizerTemplate(tokenizer)
-    if name not in NAMED_TEMPLATES:
-        raise DataError(f"template: unknown template {name!r}; expected tokenizer or one of {', '.join(NAMED_TEMPLATES)}")
-    return NAMED_TEMPLATES[name]
-
-
 # ---------------------------------------------------------------------------------------------------- tokenising
 
 @dataclass
@@ -226,13 +150,8 @@ class Example:
 
 
 def encode_example(messages: list[dict], template, tokenizer, cutoff_len: int) -> Example:
-    """Token ids with response-only labels, cut to ``cutoff_len`` tokens."""
-    input_ids, labels = [], []
-    for text, is_response in template.segments(messages):
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        input_ids += ids
-        labels += ids if is_response else [IGNORE_INDEX] * len(ids)
-    return Example(input_ids[:cutoff_len], labels[:cutoff_len])
+    """Token ids with response-only labels, at most ``cutoff_len`` of them (cut the way the template cuts)."""
+    return Example(*template.encode(tokenizer, messages, cutoff_len))
 
 
 class SFTDataset:
@@ -249,7 +168,7 @@ class SFTDataset:
 
     @classmethod
     def build(cls, cfg, tokenizer) -> "SFTDataset":
-        template = get_template(cfg.template, tokenizer)
+        template = get_template(cfg.template, tokenizer, getattr(cfg, "enable_thinking", True))
         examples, dropped = [], 0
         for spec in load_dataset_specs(cfg.dataset_dir, cfg.dataset_names):
             records = spec.read_records()[: cfg.max_samples]
