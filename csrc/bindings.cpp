@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 
+#include "dropout.h"
 #include "kernels.h"
 #include "moe_lora.h"
 #include "thread_pool.h"
@@ -55,16 +56,24 @@ PYBIND11_MODULE(_kernel, m) {
            })
       .def("forward",
            [](kt::MoELoRA& s, int T, int k, uintptr_t x, uintptr_t ids, bool ids64, uintptr_t w, uintptr_t slots,
-              int uniform_slot, uintptr_t out, bool save) {
+              int uniform_slot, uintptr_t out, bool save, double dropout, uint64_t dropout_seed) {
              py::gil_scoped_release nogil;
              s.forward(T, k, ptr<const bf16>(x), ptr<const void>(ids), ids64, ptr<const float>(w),
-                       ptr<const int32_t>(slots), uniform_slot, ptr<bf16>(out), save);
+                       ptr<const int32_t>(slots), uniform_slot, ptr<bf16>(out), save, kt::Dropout{dropout, dropout_seed});
            })
       .def("backward", [](kt::MoELoRA& s, uintptr_t grad_out, uintptr_t grad_x, uintptr_t grad_w) {
         py::gil_scoped_release nogil;
         s.backward(ptr<const bf16>(grad_out), ptr<bf16>(grad_x), ptr<float>(grad_w));
       });
 
+  m.def(
+      "dropout_keep_mask",
+      [](uint64_t seed, int proj, int64_t rows, int cols, double p, uintptr_t out) {
+        py::gil_scoped_release nogil;
+        kt::dropout_keep_mask(seed, proj, rows, cols, p, ptr<uint8_t>(out));
+      },
+      py::arg("seed"), py::arg("proj"), py::arg("rows"), py::arg("cols"), py::arg("p"), py::arg("out"),
+      "Writes the LoRA dropout keep mask (csrc/dropout.h) of rows t*k + j < rows as 0/1 bytes [rows, cols].");
   m.def("set_num_threads", &kt::set_num_threads, py::arg("n"),
         "Size of the global worker pool (caller included); n < 1 means the default (physical cores).");
   m.def("num_threads", [] { return kt::global_pool()->num_threads(); });

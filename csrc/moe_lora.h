@@ -6,6 +6,7 @@
 // MATH    s = alpha / r
 //         g = x Wgᵀ + s (x Agᵀ) Bgᵀ     u = x Wuᵀ + s (x Auᵀ) Buᵀ     h = silu(g) u
 //         y = h Wdᵀ + s (h Adᵀ) Bdᵀ     out[t] = Σ_k w[t,k] y_k      (ids < 0 or >= E skipped; no routed scaling)
+//         training forwards may drop the LoRA inputs: x Agᵀ, x Auᵀ, h Adᵀ become dropout(x) Agᵀ … (dropout.h)
 // REGULARITIES  T may be 0 or odd; H, I need not be multiples of anything; one expert may take every token;
 //         tokens of one batch may use different adapters (slots) or none (-1).
 #pragma once
@@ -15,6 +16,7 @@
 #include <mutex>
 #include <vector>
 
+#include "dropout.h"
 #include "kernels.h"
 
 namespace kt {
@@ -94,9 +96,9 @@ class MoELoRA {
   void set_grad_buffers(int slot, const GradBuffers& g);
 
   // ids are int64 when ids64, else int32. slots: one slot per token, or null: every token uses uniform_slot
-  // (-1 = base only).
+  // (-1 = base only). dropout only with save_for_backward (a training forward); its backward reuses the seed.
   void forward(int T, int k, const bf16* x, const void* ids, bool ids64, const float* weights, const int32_t* slots,
-               int uniform_slot, bf16* out, bool save_for_backward);
+               int uniform_slot, bf16* out, bool save_for_backward, const Dropout& dropout = {});
   void backward(const bf16* grad_out, bf16* grad_x, float* grad_weights);
 
   struct Route;

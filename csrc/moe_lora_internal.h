@@ -1,0 +1,108 @@
+// Internals shared by the MoE-LoRA source files: routing, the state a forward keeps for the backward, the
+// work split into tasks. Not part of the interface (moe_lora.h).
+//
+// A call groups the routed (token, k) pairs by expert and, within an expert, by adapter slot ("segments"), then
+// runs a few parallel phases separated by barriers. Each phase is a list of small tasks handed out dynamically,
+// so a hot expert is split into many column/row blocks and no core idles behind it:
+//   forward   A gather x rows, t = x Aᵀ (gate, up)   per segment chunk          (moe_lora_forward.cpp)
+//             B g, u = x Wᵀ + s t Bᵀ, h = silu(g) u    per (expert, 64 columns of I, 64 rows)
+//             C t = h Adᵀ                             per segment chunk
+//             D y = h Wdᵀ + s t Bdᵀ, out += w y       per (64 columns of H, group of experts)
+//   backward  mirrors it                                                        (moe_lora_backward.cpp)
+#pragma once
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dropout.h"
+#include "moe_lora.h"
+#include "thread_pool.h"
+
+namespace kt {
+
+constexpr int kRowBlock = 64;   // rows per GEMM task (and per local tile)
+constexpr int kChunkRows = 16;  // rows per task in the row-wise LoRA phases
+
+inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
+
+[[noreturn]] inline void fail(const std::string& msg) { throw std::invalid_argument(msg); }
+
+struct MoELoRA::Route {
+  struct Segment {
+    int e, begin, end, slot;  // pairs [begin, end) of expert e, all with one slot (-1 = base only)
+  };
+  struct Chunk {
+    int seg, begin, end;
+  };
+  int T = 0, k = 0, P = 0, R = 1;      // R: row stride of the rank-sized buffers (max rank in use)
+  std::vector<int> pair_tk, tk_pair;  // sorted pair -> t*k + j; t*k + j -> sorted pair or -1
+  std::vector<int> expert_begin;      // [E + 1]
+  std::vector<int> active;            // experts with at least one pair
+  std::vector<Segment> segs;          // by expert, then slot
+  std::vector<int> expert_seg;        // [E + 1]: segments [expert_seg[e], expert_seg[e + 1]) are expert e's
+  std::vector<Chunk> chunks;          // segments cut into kChunkRows pieces
+  std::vector<const Adapter*> adapter;  // by slot, for the slots in use
+  std::vector<std::shared_ptr<const Adapter>> keep;  // holds them alive for the call (and the backward)
+
+  const Adapter* seg_adapter(const Segment& s) const { return s.slot < 0 ? nullptr : adapter[s.slot]; }
+};
+
+// Everything one forward keeps for the backward; also the scratch of a forward that saves nothing
+// (then thread-local, so concurrent calls never share it).
+struct MoELoRA::Saved {
+  Route route;
+  int64_t ldx = 0, ldh = 0, ldo = 0;
+  Buffer<bf16> x, h;               // gathered inputs [P, ldx]; h = silu(g) u [P, ldh]
+  Buffer<float> tg, tu, td;        // LoRA down-projections [P, R] (unscaled, of the dropped inputs)
+  Buffer<float> g, u;              // pre-activations [P, I] (save_for_backward only)
+  Buffer<float> acc;               // partial outputs [groups, T, ldo]
+  std::vector<float> weights;      // [T, k]
+  Dropout dropout;                 // the forward's seed and rate: the backward regenerates its masks
+  bool pending = false;            // a backward may consume this
+  // backward scratch
+  Buffer<bf16> gout, dgu;          // gathered grad_out [P, ldx]; [dg | du] bf16 [P, ldgu]
+  Buffer<float> t2d, t2g, t2u, gw; // dy·Bd, dg·Bg, du·Bu [P, R]; per-block partial grad_w [P, nbI]
+};
+
+// Route of one call; ids int64 when ids64, else int32 (moe_lora_route.cpp).
+void build_route(MoELoRA::Route& rt, int E, int T, int k, const void* ids, bool ids64, const int32_t* slots,
+                 int uniform_slot, const std::vector<std::shared_ptr<const Adapter>>& table);
+
+// GEMM tasks over one expert's rows and one 64-column block.
+struct BlockTask {
+  int e, r0, r1, cb;
+};
+std::vector<BlockTask> expert_block_tasks(const MoELoRA::Route& rt, int nblocks);
+
+// Experts split into groups of similar pair counts, for the phases whose tasks are (column block, group):
+// each group accumulates into its own partial output, so tasks never write the same element.
+std::vector<std::vector<int>> expert_groups(const MoELoRA::Route& rt, int nblocks, int nthreads);
+
+// Columns [c0, c0 + nc) of src [T, ldo] fp32 into dst [T, H] bf16.
+void store_columns(const float* src, int T, int64_t ldo, int H, int c0, int nc, bf16* dst);
+// With several groups: sums the partial outputs acc [groups, T, ldo] into group 0 and stores them in dst.
+void reduce_groups(ThreadPool& pool, float* acc, int ngroups, int T, int64_t ldo, int H, int nbH, bf16* dst);
+
+// Calls fn(segment, r0, r1) for each segment of expert e that intersects rows [r0, r1).
+template <typename F>
+void for_segments(const MoELoRA::Route& rt, int e, int r0, int r1, F&& fn) {
+  for (int i = rt.expert_seg[e]; i < rt.expert_seg[e + 1]; ++i) {
+    const auto& s = rt.segs[i];
+    if (s.end <= r0 || s.begin >= r1) continue;
+    fn(s, std::max(s.begin, r0), std::min(s.end, r1));
+  }
+}
+
+inline thread_local float tl_tile[2][kRowBlock * kBlockN];
+
+// Asks for rows [p + j*ld, p + j*ld + n) of a bf16 matrix, j < rows, to be brought towards L2. A task's slice of
+// LoRA B is rank short rows far apart, which the hardware prefetcher does not follow; asked for before the base
+// GEMM streams its weight block, they arrive while it runs.
+inline void prefetch_rows(const bf16* p, int rows, int64_t ld, int n) {
+  for (int j = 0; j < rows; ++j)
+    for (int c = 0; c < n; c += 32) __builtin_prefetch(p + j * ld + c, 0, 2);
+}
+
+}  // namespace kt
