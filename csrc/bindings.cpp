@@ -64,7 +64,8 @@ PYBIND11_MODULE(_kernel, m) {
       .def("backward", [](kt::MoELoRA& s, uintptr_t grad_out, uintptr_t grad_x, uintptr_t grad_w) {
         py::gil_scoped_release nogil;
         s.backward(ptr<const bf16>(grad_out), ptr<bf16>(grad_x), ptr<float>(grad_w));
-      });
+      })
+      .def("release_saved", &kt::MoELoRA::release_saved);
 
   m.def(
       "dropout_keep_mask",

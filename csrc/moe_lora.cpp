@@ -122,6 +122,12 @@ bool MoELoRA::has_adapter(int slot) const {
   return static_cast<bool>(slots_[slot]);
 }
 
+void MoELoRA::release_saved() {
+  std::lock_guard<std::mutex> lk(saved_mutex_);
+  if (saved_ && saved_->pending) fail("release_saved: a forward's state is still waiting for its backward");
+  saved_.reset();
+}
+
 void MoELoRA::set_grad_buffers(int slot, const GradBuffers& g) {
   check_slot(slot);
   std::lock_guard<std::mutex> lk(slots_mutex_);

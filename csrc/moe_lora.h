@@ -96,10 +96,13 @@ class MoELoRA {
   void set_grad_buffers(int slot, const GradBuffers& g);
 
   // ids are int64 when ids64, else int32. slots: one slot per token, or null: every token uses uniform_slot
-  // (-1 = base only). dropout only with save_for_backward (a training forward); its backward reuses the seed.
+  // (-1 = base only). dropout (training) regenerates its masks from the seed in backward.
   void forward(int T, int k, const bf16* x, const void* ids, bool ids64, const float* weights, const int32_t* slots,
                int uniform_slot, bf16* out, bool save_for_backward, const Dropout& dropout = {});
   void backward(const bf16* grad_out, bf16* grad_x, float* grad_weights);
+  // Frees what the last forward saved (none pending a backward): under gradient checkpointing a layer's saved
+  // state then exists only between its recompute and its backward.
+  void release_saved();
 
   struct Route;
   struct Saved;

@@ -57,12 +57,13 @@ void MoELoRA::backward(const bf16* grad_out, bf16* grad_x, float* grad_w) {
   float* G = ws.g.data();  // becomes dg in B2
   float* U = ws.u.data();  // becomes du in B2
   const float* wts = ws.weights.data();
-  bf16* gout = ws.gout.get(static_cast<size_t>(P) * ldx);
-  bf16* dgu = ws.dgu.get(static_cast<size_t>(P) * ldgu);
-  float* t2d = ws.t2d.get(static_cast<size_t>(P) * R);
-  float* t2g = ws.t2g.get(static_cast<size_t>(P) * R);
-  float* t2u = ws.t2u.get(static_cast<size_t>(P) * R);
-  float* gw = ws.gw.get(static_cast<size_t>(P) * nbI);
+  thread_local BackwardScratch scratch;
+  bf16* gout = scratch.gout.get(static_cast<size_t>(P) * ldx);
+  bf16* dgu = scratch.dgu.get(static_cast<size_t>(P) * ldgu);
+  float* t2d = scratch.t2d.get(static_cast<size_t>(P) * R);
+  float* t2g = scratch.t2g.get(static_cast<size_t>(P) * R);
+  float* t2u = scratch.t2u.get(static_cast<size_t>(P) * R);
+  float* gw = scratch.gw.get(static_cast<size_t>(P) * nbI);
   auto pair_w = [&](int p) { return wts[rt.pair_tk[p]]; };
   const bool drop = ws.dropout.on();
   const DropoutMask gate_mask(ws.dropout, 0), up_mask(ws.dropout, 1), down_mask(ws.dropout, 2);

@@ -28,7 +28,6 @@ void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, 
   if (T > max_tokens_)
     fail("T = " + std::to_string(T) + " tokens exceeds max_tokens = " + std::to_string(max_tokens_));
   if (!(dropout.p >= 0.0 && dropout.p < 1.0)) fail("dropout must be in [0, 1), got " + std::to_string(dropout.p));
-  if (dropout.on() && !save) fail("dropout needs save_for_backward (a training forward); serving never drops");
   thread_local Saved scratch;
   std::unique_lock<std::mutex> saved_lock(saved_mutex_, std::defer_lock);
   Saved* ws = &scratch;

@@ -61,7 +61,11 @@ struct MoELoRA::Saved {
   std::vector<float> weights;      // [T, k]
   Dropout dropout;                 // the forward's seed and rate: the backward regenerates its masks
   bool pending = false;            // a backward may consume this
-  // backward scratch
+};
+
+// Scratch of a backward, one set per calling thread and shared by every layer (KT's kt_share_backward_bb):
+// a layer's backward needs it only while it runs.
+struct BackwardScratch {
   Buffer<bf16> gout, dgu;          // gathered grad_out [P, ldx]; [dg | du] bf16 [P, ldgu]
   Buffer<float> t2d, t2g, t2u, gw; // dy·Bd, dg·Bg, du·Bu [P, R]; per-block partial grad_w [P, nbI]
 };

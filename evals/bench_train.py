@@ -4,6 +4,12 @@ in one process. Prints tokens/s (non-padding tokens through forward+backward+opt
 (warm-up) step.
 
     python evals/bench_train.py [--steps 6] [--threads N] [--shapes tiny,small,experts]
+
+``--memory`` instead measures gradient checkpointing at a long cutoff_len: peak RSS and tokens/s of the same
+training steps without checkpointing, with it (experts recomputed), and with ``kt_cpu_activation: retain``, each
+in a fresh process (peak RSS only grows within one).
+
+    python evals/bench_train.py --memory [--cutoff-len 4096] [--steps 3]
 """
 
 from __future__ import annotations
@@ -77,18 +83,103 @@ def bench_shape(name, root: Path, steps: int, threads: int | None):
           f"| {shape['num_layers']} | {timings[1][1]} | {kt:,.0f} | {pt:,.0f} | {kt / pt:.2f}x |", flush=True)
 
 
+# Checkpointing modes of --memory: config overrides of each.
+MEMORY_MODES = {"off": ["disable_gradient_checkpointing=true"],
+                "recompute": ["disable_gradient_checkpointing=false"],
+                "retain": ["disable_gradient_checkpointing=false", "kt_cpu_activation=retain"]}
+MEMORY_SHAPE = dict(hidden_size=512, moe_intermediate_size=512, num_experts=16, top_k=4, num_layers=4)
+
+
+def long_dataset(directory: Path, words: int) -> Path:
+    """Two alpaca examples of about ``words`` words each (a long-context SFT set)."""
+    import json
+    import random
+
+    rng = random.Random(0)
+    vocab = "the sea ship captain gold treasure wind sail island parrot map crew storm harbour rum deck".split()
+    records = [{"instruction": " ".join(rng.choice(vocab) for _ in range(words // 2)), "input": "",
+                "output": " ".join(rng.choice(vocab) for _ in range(words // 2))} for _ in range(2)]
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "long.json").write_text(json.dumps(records))
+    (directory / "dataset_info.json").write_text(json.dumps({"long": {"file_name": "long.json"}}))
+    return directory
+
+
+def memory_child(mode: str, root: Path, cutoff_len: int, steps: int) -> None:
+    """One checkpointing mode in this process: prints a JSON line with peak RSS and tokens/s."""
+    import json
+    import resource
+
+    from transformers import AutoTokenizer
+
+    model_dir = root / "model"
+    overrides = [f"model_name_or_path={model_dir}", f"output_dir={root / ('out-' + mode)}", "dataset=long",
+                 f"dataset_dir={root / 'data'}", f"cutoff_len={cutoff_len}", f"max_steps={steps}",
+                 "lora_target=all", "kt_config.dense_device=cpu", *MEMORY_MODES[mode]]
+    cfg = load_config(None, overrides)
+    dataset = SFTDataset.build(cfg, AutoTokenizer.from_pretrained(model_dir))
+    trainer = Trainer(cfg, TrainModel.load(cfg), dataset)
+    trainer.tm.model.train()
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    timings = []
+    for _, _, groups in itertools.islice(trainer.plan.steps(), steps):
+        start = time.perf_counter()
+        _, tokens = trainer.training_step(groups)
+        trainer.optimizer_step()
+        timings.append((time.perf_counter() - start, tokens))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"mode": mode, "peak_rss_mib": peak / 1024, "before_steps_mib": rss_before / 1024,
+                      "tokens_per_step": timings[0][1], "tok_s": tokens_per_s(timings)}), flush=True)
+
+
+def bench_memory(cutoff_len: int, steps: int) -> None:
+    import json
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        build_tiny_moe(root / "model", "qwen3_moe", **MEMORY_SHAPE)
+        long_dataset(root / "data", cutoff_len)
+        shape = MEMORY_SHAPE
+        print(f"qwen3_moe H={shape['hidden_size']} I={shape['moe_intermediate_size']} E={shape['num_experts']} "
+              f"top-{shape['top_k']} layers={shape['num_layers']}, cutoff_len={cutoff_len}, batch 1, lora_target=all, "
+              f"{steps} steps (first excluded from tok/s)")
+        print("| gradient checkpointing | tokens/step | peak RSS MiB | RSS before training MiB | tok/s | peak vs off | tok/s vs off |")
+        print("|---|---|---|---|---|---|---|")
+        rows = {}
+        for mode in MEMORY_MODES:
+            out = subprocess.run([sys.executable, __file__, "--memory-child", mode, "--root", str(root),
+                                  "--cutoff-len", str(cutoff_len), "--steps", str(steps)],
+                                 check=True, capture_output=True, text=True).stdout
+            rows[mode] = row = json.loads(out.strip().splitlines()[-1])
+            off = rows["off"]
+            print(f"| {mode} | {row['tokens_per_step']} | {row['peak_rss_mib']:,.0f} | {row['before_steps_mib']:,.0f} "
+                  f"| {row['tok_s']:,.0f} | {row['peak_rss_mib'] / off['peak_rss_mib']:.2f}x "
+                  f"| {row['tok_s'] / off['tok_s']:.2f}x |", flush=True)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--threads", type=int, default=None, help="kernel and torch threads (default: library defaults)")
     p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--memory", action="store_true", help="peak RSS with and without gradient checkpointing")
+    p.add_argument("--cutoff-len", type=int, default=4096)
+    p.add_argument("--memory-child", choices=list(MEMORY_MODES), help=argparse.SUPPRESS)
+    p.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     from kt_serve.kernel import cpu_isa, num_threads
 
+    if a.memory_child:
+        memory_child(a.memory_child, a.root, a.cutoff_len, a.steps)
+        return
     print(f"torch threads {torch.get_num_threads()}, kernel threads {num_threads()}, kernel ISA {cpu_isa()}, "
           f"{a.steps} steps (first excluded)")
+    if a.memory:
+        bench_memory(a.cutoff_len, a.steps)
+        return
     print("| shape | H | I | E/top-k | layers | tokens/step | kt_serve.train tok/s | reference tok/s | speed-up |")
     print("|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as root:

@@ -20,6 +20,7 @@ Tensors cross into C++ as raw addresses, so this module checks every dtype, shap
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import threading
@@ -31,7 +32,8 @@ import torch
 from kt_serve import _kernel
 
 __all__ = [
-    "ExpertLoRA", "MoEExperts", "MoELoRAExperts", "dropout_keep_mask", "set_num_threads", "num_threads", "cpu_isa",
+    "ExpertLoRA", "MoEExperts", "MoELoRAExperts", "dropout_keep_mask", "expert_checkpoint_contexts", "set_num_threads",
+    "num_threads", "cpu_isa",
 ]
 
 LORA_FIELDS = ("gate_a", "gate_b", "up_a", "up_b", "down_a", "down_b")
@@ -291,8 +293,9 @@ class MoEExperts:
         a new tensor, or the one given (e.g. pinned memory, for a copy to an accelerator).
 
         ``dropout`` (0 <= p < 1) drops the LoRA inputs with the masks of :func:`dropout_keep_mask` for
-        ``dropout_seed`` (any int, mod 2**64); only with ``save_for_backward=True``, whose backward reuses them.
-        p = 0 is exactly the call without dropout.
+        ``dropout_seed`` (any int, mod 2**64): a training forward; its backward regenerates them. Without
+        ``save_for_backward`` it gives the same output (a gradient-checkpointed layer's first forward). Serving
+        never passes it. p = 0 is exactly the call without dropout.
         """
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
             raise ValueError(f"x must be a 2-D tensor [T, H], got {getattr(x, 'shape', type(x).__name__)}")
@@ -309,10 +312,6 @@ class MoEExperts:
             raise ValueError(f"x has T={T} tokens, more than max_tokens={self.max_tokens} of this MoEExperts")
         slots_ptr, uniform_slot = self._slots_arg(slots, T)
         dropout, dropout_seed = _check_dropout(dropout), _check_seed(dropout_seed)
-        if dropout > 0.0 and not save_for_backward:
-            raise ValueError(
-                f"dropout={dropout} needs save_for_backward=True (a training forward); serving never drops"
-            )
         if out is None:
             out = torch.empty((T, self.hidden_size), dtype=torch.bfloat16)
         else:
@@ -343,29 +342,85 @@ class MoEExperts:
             self._k.backward(grad_out.data_ptr(), grad_x.data_ptr(), grad_w.data_ptr())
         return grad_x, grad_w
 
+    def release_saved(self) -> None:
+        """Frees the state the last forward saved (after its backward): under gradient checkpointing each layer
+        then holds it only from its recompute to its backward, instead of keeping its buffers between steps."""
+        self._k.release_saved()
+
+
+class _CheckpointPhase(threading.local):
+    """Where the current forward runs with respect to gradient checkpointing (per thread: a recompute runs in
+    the thread that runs the backward)."""
+
+    phase: Optional[str] = None  # None (not checkpointed), "forward" (first forward) or "recompute"
+    retain: bool = False
+
+
+_PHASE = _CheckpointPhase()
+
+
+@contextlib.contextmanager
+def _checkpoint_phase(phase: str, retain: bool):
+    saved = (_PHASE.phase, _PHASE.retain)
+    _PHASE.phase, _PHASE.retain = phase, retain
+    try:
+        yield
+    finally:
+        _PHASE.phase, _PHASE.retain = saved
+
+
+def expert_checkpoint_contexts(retain: bool):
+    """``context_fn`` for ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``: tells the kernel's experts
+    whether they run in a checkpointed layer's first forward or in its recompute.
+
+    - ``retain=False`` (recompute): the first forward keeps no kernel state; the recompute, which the layer's
+      backward triggers, runs the experts again with state saved, and the backward frees it. Expert activations
+      of one layer at a time.
+    - ``retain=True`` (KT's ``kt_cpu_activation: retain``): the first forward keeps the kernel state and its
+      output; the recompute returns that output without running the experts again.
+    """
+    return _checkpoint_phase("forward", retain), _checkpoint_phase("recompute", retain)
+
 
 class _ExpertsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_ids, topk_weights, module, dropout, dropout_seed, *lora_params):
         ctx.module = module
         ctx.in_dtype = x.dtype
+        # Inside Function.forward grad mode is off; needs_input_grad says whether a backward will come.
+        wants_backward = any(ctx.needs_input_grad)
+        phase, retain = _PHASE.phase, _PHASE.retain
+        ctx.checkpointed = phase is not None and wants_backward
+        if ctx.checkpointed:
+            # A tensor saved through autograd: unpacking it in backward makes checkpointing recompute the layer
+            # (and so this forward, with state saved) before the kernel's backward runs.
+            ctx.save_for_backward(topk_weights)
+            ctx.release = not retain
+        if ctx.checkpointed and phase == "recompute" and retain:
+            return module._retained_output.pop().clone()  # the kernel kept its state from the first forward
         xb = x.detach().to(torch.bfloat16).contiguous()
         ids = topk_ids.detach().contiguous()
         if ids.dtype not in (torch.int32, torch.int64):
             ids = ids.to(torch.int64)
         w = topk_weights.detach().to(torch.float32).contiguous()
-        # Inside Function.forward grad mode is off; needs_input_grad says whether a backward will come.
+        save = wants_backward and not (phase == "forward" and not retain)
         y = module._experts.forward_sft(
-            xb, ids, w, save_for_backward=any(ctx.needs_input_grad), slots=0, dropout=dropout, dropout_seed=dropout_seed
-        )
-        return y.to(x.dtype)
+            xb, ids, w, save_for_backward=save, slots=0, dropout=dropout, dropout_seed=dropout_seed
+        ).to(x.dtype)
+        if ctx.checkpointed and phase == "forward" and retain:
+            module._retained_output = [y.clone()]
+        return y
 
     @staticmethod
     def backward(ctx, grad_y):
         m = ctx.module
+        if ctx.checkpointed:
+            ctx.saved_tensors  # noqa: B018 - triggers this layer's recompute first (see forward)
         for g in m._grad_buffers.tensors():
             g.zero_()
         gx, gw = m._experts.backward(grad_y.detach().to(torch.bfloat16).contiguous())
+        if ctx.checkpointed and ctx.release:
+            m._experts.release_saved()
         lora_grads = tuple(g.clone() for g in m._grad_buffers.tensors())
         return (gx.to(ctx.in_dtype), None, gw, None, None, None) + lora_grads
 

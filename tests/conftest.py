@@ -10,6 +10,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+@pytest.fixture(scope="session", autouse=True)
+def _tokenized_cache(tmp_path_factory):
+    """kt_serve.train's tokenized-dataset cache goes to a per-session directory, never the user's ~/.cache."""
+    import os
+
+    os.environ["KT_SERVE_CACHE"] = str(tmp_path_factory.mktemp("kt_serve_cache"))
+    yield
+
+
 # Tiny Qwen3-MoE geometry shared with the PEFT load test: hidden 32, 4 experts, moe intermediate 16, 2 layers.
 KT_DIMS = dict(layers=(0, 1), E=4, H=32, I=16, r=4)
 KT_ATTENTION = {"q_proj": (32, 32), "k_proj": (32, 16), "v_proj": (32, 16), "o_proj": (32, 32)}  # (in, out)

@@ -7,10 +7,21 @@ kt_adapter_manifest.json) plus checkpoint-N/, trainer_log.jsonl and, with plot_l
 from __future__ import annotations
 
 import logging
+import os
 
 from kt_serve.train.config import ConfigError, TrainConfig, load_config
 
 logger = logging.getLogger("kt_serve.train")
+
+
+def _usable_threads(wanted: int) -> int:
+    """Kernel threads: as asked, but never more than the CPUs this process may run on (a YAML written for a
+    64-core host would otherwise oversubscribe a small one many times over)."""
+    available = len(os.sched_getaffinity(0))
+    if wanted > available:
+        logger.warning("kernel threads: %d asked (kt_num_threads / cpu_infer / threads), but this process may run on "
+                       "%d CPUs; using %d", wanted, available, available)
+    return min(wanted, available)
 
 
 def train(cfg: TrainConfig) -> list[dict]:
@@ -24,15 +35,18 @@ def train(cfg: TrainConfig) -> list[dict]:
     from kt_serve.train.model import TrainModel
     from kt_serve.train.trainer import Trainer, prepare_output_dir
 
+    for note in cfg.no_effect_notes():
+        logger.info("config %s", note)
     resume_from = prepare_output_dir(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
     dataset = SFTDataset.build(cfg, tokenizer)
     if cfg.kt_config.threads is not None:
-        set_num_threads(cfg.kt_config.threads)
+        set_num_threads(_usable_threads(cfg.kt_config.threads))
     torch.manual_seed(cfg.seed)
     tm = TrainModel.load(cfg)
-    logger.info("%d examples; trainable parameters: %s; non-expert device: %s", len(dataset), tm.parameter_report(),
-                tm.device)
+    logger.info("%d %s; trainable parameters: %s; non-expert device: %s; gradient checkpointing: %s",
+                len(dataset), "packed rows" if cfg.use_packing else "examples", tm.parameter_report(), tm.device,
+                tm.checkpointing or "off")
     return Trainer(cfg, tm, dataset).train(resume_from)
 
 

@@ -1,13 +1,16 @@
-"""Training configuration: a LLaMA-Factory-style YAML, validated before any work starts.
+"""Training configuration: a LLaMA-Factory (+ KTransformers) training YAML, validated before any work starts.
 
-Field names follow LLaMA-Factory / HF TrainingArguments wherever the meaning is the same, so an existing
-LLaMA-Factory LoRA SFT config runs after removing fields this trainer does not implement (those are rejected by
-name instead of being silently ignored). Kernel settings live in the nested ``kt_config:`` block.
+Field names and meanings follow LLaMA-Factory / HF TrainingArguments and KT's ``kt_config`` block, so the YAMLs
+people already have run unchanged. Every field either does what it does there, or — where it has no counterpart
+in a single-process trainer whose experts live in our kernel — is accepted and named in one log line saying why
+it has no effect (``NO_EFFECT`` metadata, reported by :meth:`TrainConfig.no_effect_notes`). A field whose meaning
+cannot be honoured is refused naming it; an unknown field (a typo) is refused naming the closest known one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -16,10 +19,21 @@ from pathlib import Path
 import yaml
 
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+SAVE_STRATEGIES = ("steps", "epoch", "no")
+CPU_ACTIVATION = ("retain", "recompute")
+NO_EFFECT = "no_effect"  # field metadata: why the field, when given, changes nothing here
+# KT's kt_backend names -> the kernel ISA table they ask for. KT's quantized backends need the quantized formats.
+KT_BACKENDS = {"auto": "auto", "amxbf16": "amx_bf16", "amx_bf16": "amx_bf16", "avx512": "avx512_bf16",
+               "avx512bf16": "avx512_bf16", "avx512_bf16": "avx512_bf16", "portable": "portable"}
+EXPERT_WEIGHT_FORMATS = ("bf16",)
 
 
 class ConfigError(ValueError):
     """A config field is unknown, mistyped or contradicts another; the message names the field."""
+
+
+def _note(reason: str, default=None):
+    return field(default=default, metadata={NO_EFFECT: reason})
 
 
 @dataclass
@@ -29,12 +43,42 @@ class KTConfig:
         default="auto",
         metadata={"help": "Device of the non-expert modules: auto (cuda when available), cpu or cuda. Experts stay on the CPU."},
     )
+    # KTransformers' names (the cookbook's kt_config block)
+    kt_num_threads: int | None = field(default=None, metadata={"help": "KT's name for `threads`."})
+    kt_backend: str = field(default="auto", metadata={"help": "auto, AMXBF16 or AVX512 (the kernel's ISA table)."})
+    kt_expert_weight_format: str = field(default="bf16", metadata={"help": "Routed-expert weight format in the kernel."})
+    kt_model_max_length: int | None = field(
+        default=None, metadata={"help": "Tokens per sequence the kernel must take (default cutoff_len); > cutoff_len."})
+    kt_tp_enabled: bool | None = _note("one kernel thread pool spans this process's cores; there is no tensor-parallel "
+                                       "split of the experts between NUMA pools")
+    kt_threadpool_count: int | None = _note("the kernel runs one thread pool (its size is kt_num_threads)")
+    kt_max_cache_depth: int | None = _note("each MoE layer keeps exactly the forward state its next backward needs "
+                                           "(one micro-batch at a time), so there is no cache depth to choose")
+    kt_share_backward_bb: bool | None = _note("the kernel always shares its backward scratch between layers (one set "
+                                              "per thread), as KT does with true")
 
     def __post_init__(self):
         if self.dense_device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"kt_config.dense_device: expected auto, cpu or cuda, got {self.dense_device!r}")
-        if self.threads is not None and self.threads < 1:
-            raise ConfigError(f"kt_config.threads: expected a positive integer, got {self.threads}")
+        for name in ("threads", "kt_num_threads", "kt_model_max_length"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"kt_config.{name}: expected a positive integer, got {getattr(self, name)}")
+        if self.kt_num_threads is not None:
+            if self.threads is not None and self.threads != self.kt_num_threads:
+                raise ConfigError(f"kt_config.threads ({self.threads}) and kt_config.kt_num_threads "
+                                  f"({self.kt_num_threads}) contradict each other; give one")
+            self.threads = self.kt_num_threads
+        if self.kt_backend.lower() not in KT_BACKENDS:
+            raise ConfigError(f"kt_config.kt_backend: {self.kt_backend!r} is not available here; expected auto, AMXBF16 "
+                              "or AVX512 (the quantized backends AMXINT8/AMXINT4/FP8/LLAMAFILE need expert weight "
+                              "formats the kernel does not hold yet)")
+        if self.kt_expert_weight_format.lower() not in EXPERT_WEIGHT_FORMATS:
+            raise ConfigError(f"kt_config.kt_expert_weight_format: {self.kt_expert_weight_format!r} is not supported; "
+                              f"the kernel holds routed experts in {', '.join(EXPERT_WEIGHT_FORMATS)} today")
+
+    @property
+    def isa(self) -> str:
+        return KT_BACKENDS[self.kt_backend.lower()]
 
 
 @dataclass
@@ -44,16 +88,24 @@ class TrainConfig:
     output_dir: str = field(metadata={"help": "Where the adapter, checkpoints and logs go."})
     dataset: str = field(metadata={"help": "Comma-separated dataset names from dataset_info.json."})
     trust_remote_code: bool = False
+    disable_gradient_checkpointing: bool = field(
+        default=False, metadata={"help": "LLaMA-Factory: false (the default) checkpoints every decoder layer."})
     # data
     dataset_dir: str = field(default="data", metadata={"help": "Directory holding dataset_info.json."})
-    template: str = field(default="tokenizer", metadata={"help": "Chat template: 'tokenizer' (its chat_template) or a named one."})
+    template: str = field(default="tokenizer", metadata={"help": "Chat template: 'tokenizer' (its chat_template) or a LLaMA-Factory name."})
+    enable_thinking: bool = field(default=True, metadata={"help": "Reasoning templates (qwen3...): LLaMA-Factory's switch."})
     cutoff_len: int = 2048
     max_samples: int | None = None
+    packing: bool = field(default=False, metadata={"help": "Pack examples into cutoff_len rows, each attending only to itself."})
+    neat_packing: bool = field(default=False, metadata={"help": "LLaMA-Factory's name for packing without cross-attention."})
+    overwrite_cache: bool = field(default=False, metadata={"help": "Re-tokenize instead of reusing the tokenized-dataset cache."})
+    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes that tokenize the dataset."})
+    dataloader_num_workers: int = field(default=0, metadata={"help": "Processes that prepare batches ahead of the step."})
     # LoRA
     finetuning_type: str = "lora"
     lora_rank: int = 8
     lora_alpha: float | None = field(default=None, metadata={"help": "Defaults to 2 * lora_rank (LLaMA-Factory)."})
-    lora_dropout: float = 0.0
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on every LoRA input, routed experts included."})
     lora_target: str = field(default="all", metadata={"help": "'all' or comma-separated module leaf names."})
     use_rslora: bool = False
     # optimisation
@@ -72,10 +124,15 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     seed: int = 42
     bf16: bool = field(default=False, metadata={"help": "Non-expert base weights and activations in bf16 (LoRA stays fp32)."})
+    ddp_timeout: int | None = _note("one process: there is no distributed process group to time out")
     # output
     overwrite_output_dir: bool = False
     logging_steps: int = 10
+    save_strategy: str = field(default="steps", metadata={"help": "steps (every save_steps), epoch or no.",
+                                                          "yaml_bool": {False: "no"}})  # YAML 1.1 reads `no` as false
     save_steps: int = 500
+    save_total_limit: int | None = field(default=None, metadata={"help": "Keep only the newest N checkpoint-* dirs."})
+    save_only_model: bool = field(default=False, metadata={"help": "Checkpoints without optimizer/scheduler/RNG state (not resumable)."})
     resume_from_checkpoint: str | bool | None = field(
         default=None, metadata={"help": "A checkpoint-N directory, or true for the latest one in output_dir."}
     )
@@ -84,6 +141,17 @@ class TrainConfig:
     stage: str = "sft"
     do_train: bool = True
     report_to: str = "none"
+    # KTransformers
+    use_kt: bool | None = _note("kt_serve always trains the routed experts in its CPU kernel")
+    kt_cpu_activation: str | None = field(
+        default=None, metadata={"help": "retain: keep the kernel's expert activations through checkpoint recompute."})
+    kt_optimize_rule: str | None = _note("kt_serve places modules itself: routed experts in the CPU kernel, everything "
+                                         "else on kt_config.dense_device")
+    cpu_infer: int | None = field(default=None, metadata={"help": "KT's older name for kt_config.kt_num_threads."})
+    chunk_size: int | None = _note("the kernel takes each micro-batch's tokens in one call (its capacity follows "
+                                   "cutoff_len / kt_config.kt_model_max_length)")
+    kt_weight_path: str | None = field(default=None, metadata={"help": "Refused: converted INT8/INT4 experts are not read yet."})
+    kt_non_expert_weight_path: str | None = field(default=None, metadata={"help": "Refused, as kt_weight_path."})
     kt_config: KTConfig = field(default_factory=KTConfig)
 
     def __post_init__(self):
@@ -98,13 +166,21 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: expected a positive integer, got {getattr(self, name)}")
+        for name in ("save_total_limit", "preprocessing_num_workers", "max_samples"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"{name}: expected a positive integer, got {getattr(self, name)}")
+        if self.dataloader_num_workers < 0:
+            raise ConfigError(f"dataloader_num_workers: expected 0 or more, got {self.dataloader_num_workers}")
         if self.lora_alpha <= 0 or self.learning_rate <= 0:
             raise ConfigError("lora_alpha and learning_rate must be positive")
-        if self.lora_dropout != 0.0:
-            raise ConfigError(f"lora_dropout: must be 0, got {self.lora_dropout} (the kernel's routed-expert LoRA has "
-                              "no dropout, and one dropout setting must hold for the whole adapter)")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ConfigError(f"lora_dropout: expected 0 <= p < 1, got {self.lora_dropout}")
         if self.lr_scheduler_type not in SCHEDULERS:
             raise ConfigError(f"lr_scheduler_type: expected one of {', '.join(SCHEDULERS)}, got {self.lr_scheduler_type!r}")
+        if self.save_strategy not in SAVE_STRATEGIES:
+            raise ConfigError(f"save_strategy: expected one of {', '.join(SAVE_STRATEGIES)}, got {self.save_strategy!r}")
+        if self.kt_cpu_activation is not None and self.kt_cpu_activation not in CPU_ACTIVATION:
+            raise ConfigError(f"kt_cpu_activation: expected one of {', '.join(CPU_ACTIVATION)}, got {self.kt_cpu_activation!r}")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ConfigError(f"warmup_ratio: expected 0 <= r < 1, got {self.warmup_ratio}")
         if self.warmup_ratio > 0 and self.warmup_steps > 0:
@@ -115,6 +191,24 @@ class TrainConfig:
             raise ConfigError("resume_from_checkpoint and overwrite_output_dir contradict each other; give one")
         if not self.dataset.strip():
             raise ConfigError("dataset: expected at least one dataset name")
+        if self.use_kt is False:
+            raise ConfigError("use_kt: false asks for training without KTransformers' CPU experts; kt_serve always "
+                              "trains the routed experts in its kernel (use plain LLaMA-Factory for that)")
+        for name in ("kt_weight_path", "kt_non_expert_weight_path"):
+            if getattr(self, name) is not None:
+                raise ConfigError(f"{name}: converted INT8/INT4 expert weights are not read yet; point "
+                                  "model_name_or_path at the BF16 checkpoint (kt_expert_weight_format: bf16)")
+        if self.cpu_infer is not None:
+            if self.kt_config.threads is not None and self.kt_config.threads != self.cpu_infer:
+                raise ConfigError(f"cpu_infer ({self.cpu_infer}) and kt_config threads ({self.kt_config.threads}) "
+                                  "contradict each other; give one")
+            if self.cpu_infer < 1:
+                raise ConfigError(f"cpu_infer: expected a positive integer, got {self.cpu_infer}")
+            self.kt_config.threads = self.cpu_infer
+        max_len = self.kt_config.kt_model_max_length
+        if max_len is not None and max_len <= self.cutoff_len:
+            raise ConfigError(f"kt_config.kt_model_max_length ({max_len}) must be greater than cutoff_len "
+                              f"({self.cutoff_len})")
 
     @property
     def dataset_names(self) -> list[str]:
@@ -128,13 +222,41 @@ class TrainConfig:
     def lora_scaling(self) -> float:
         return self.lora_alpha / self.lora_rank
 
+    @property
+    def gradient_checkpointing(self) -> bool:
+        return not self.disable_gradient_checkpointing
+
+    @property
+    def use_packing(self) -> bool:
+        return self.packing or self.neat_packing
+
+    @property
+    def kernel_max_tokens(self) -> int:
+        """Tokens one kernel call must take: a micro-batch of rows of at most cutoff_len (or kt_model_max_length)."""
+        return (self.kt_config.kt_model_max_length or self.cutoff_len) * self.per_device_train_batch_size
+
+    def no_effect_notes(self) -> list[str]:
+        """One line per given field that changes nothing here, saying why (logged at the start of training)."""
+        notes = [f"{owner}{f.name}: {f.metadata[NO_EFFECT]}"
+                 for owner, obj in (("", self), ("kt_config.", self.kt_config))
+                 for f in dataclasses.fields(obj) if NO_EFFECT in f.metadata and getattr(obj, f.name) is not None]
+        if self.kt_cpu_activation == "retain" and not self.gradient_checkpointing:
+            notes.append("kt_cpu_activation: retain only matters under gradient checkpointing, which "
+                         "disable_gradient_checkpointing: true turns off (every activation is kept anyway)")
+        if self.packing and not self.neat_packing:
+            notes.append("packing: rows are packed without attention between their examples (LLaMA-Factory's "
+                         "neat_packing), so a packed step computes exactly what the unpacked examples would")
+        return notes
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
-def _coerce(owner: str, name: str, annotation, value):
+def _coerce(owner: str, name: str, annotation, value, metadata=None):
     """Check ``value`` against a field annotation (int/float/bool/str, optionals, unions); ints pass as floats."""
     hints = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    if isinstance(value, bool) and value in (metadata or {}).get("yaml_bool", {}):
+        return metadata["yaml_bool"][value]
     if value is None:
         if type(None) in hints:
             return None
@@ -162,7 +284,11 @@ def _build(cls, raw: dict, owner: str = ""):
     known = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - set(known))
     if unknown:
-        raise ConfigError(f"unknown field(s) {', '.join(owner + u for u in unknown)}; known: {', '.join(sorted(known))}")
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+            hints.append(owner + name + (f" (did you mean {owner}{close[0]}?)" if close else ""))
+        raise ConfigError(f"unknown field(s) {', '.join(hints)}; see `python -m kt_serve.train --help-fields`")
     kwargs = {}
     for name, value in raw.items():
         if hints[name] is KTConfig:
@@ -170,7 +296,7 @@ def _build(cls, raw: dict, owner: str = ""):
                 raise ConfigError(f"{owner}{name}: expected a mapping")
             kwargs[name] = _build(KTConfig, value, owner=f"{name}.")
         else:
-            kwargs[name] = _coerce(owner, name, hints[name], value)
+            kwargs[name] = _coerce(owner, name, hints[name], value, known[name].metadata)
     missing = [f.name for f in known.values()
                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in raw]
     if missing:
@@ -219,3 +345,17 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
     if "max_steps" in raw and "num_train_epochs" in raw and (raw["max_steps"] or 0) > 0:
         raise ConfigError("max_steps and num_train_epochs are both set; give one")
     return _build(TrainConfig, raw)
+
+
+def describe_fields() -> str:
+    """Every field, its default and its meaning (``--help-fields``)."""
+    lines = []
+    for owner, cls in (("", TrainConfig), ("kt_config.", KTConfig)):
+        for f in dataclasses.fields(cls):
+            if f.type == "KTConfig" or f.type is KTConfig:
+                continue
+            default = "required" if f.default is dataclasses.MISSING else repr(f.default)
+            meaning = f.metadata.get("help") or (f"accepted, no effect: {f.metadata[NO_EFFECT]}"
+                                                 if NO_EFFECT in f.metadata else "")
+            lines.append(f"{owner}{f.name} = {default}" + (f"  # {meaning}" if meaning else ""))
+    return "\n".join(lines)

@@ -7,6 +7,7 @@ model learns to stop).
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import math
@@ -145,8 +146,15 @@ def load_dataset_specs(dataset_dir: str | Path, names: list[str]) -> list[Datase
 
 @dataclass
 class Example:
+    """One training row: a tokenised conversation, or (packing) several of them back to back."""
+
     input_ids: list[int]
     labels: list[int]
+    sequence_lengths: list[int] | None = None  # packed rows: the length of each conversation in it
+
+    @property
+    def lengths(self) -> list[int]:
+        return self.sequence_lengths or [len(self.input_ids)]
 
 
 def encode_example(messages: list[dict], template, tokenizer, cutoff_len: int) -> Example:
@@ -154,47 +162,119 @@ def encode_example(messages: list[dict], template, tokenizer, cutoff_len: int) -
     return Example(*template.encode(tokenizer, messages, cutoff_len))
 
 
-class SFTDataset:
-    """Tokenised examples plus the deterministic batch order the trainer and resume rely on."""
+def pack_examples(examples: list[Example], capacity: int) -> list[Example]:
+    """LLaMA-Factory's greedy knapsack: each row is filled with the longest remaining example that still fits.
+    Rows keep each example's length, so attention and positions stay within an example (see ``collate``)."""
+    remaining = sorted(range(len(examples)), key=lambda i: (len(examples[i].input_ids), i))
+    lengths = [len(examples[i].input_ids) for i in remaining]  # ascending, searched by bisect
+    rows = []
+    while remaining:
+        chosen, room = [], capacity
+        while (j := bisect.bisect_right(lengths, room) - 1) >= 0:
+            i = remaining.pop(j)
+            room -= lengths.pop(j)
+            chosen.append(examples[i])
+        rows.append(Example(sum((e.input_ids for e in chosen), []), sum((e.labels for e in chosen), []),
+                            [len(e.input_ids) for e in chosen]))
+    return rows
 
-    def __init__(self, examples: list[Example], pad_token_id: int):
+
+_WORKER_STATE: tuple = ()
+
+
+def _init_worker(template, tokenizer, cutoff_len):
+    global _WORKER_STATE
+    _WORKER_STATE = (template, tokenizer, cutoff_len)
+
+
+def _encode_chunk(conversations: list[list[dict]]) -> list[tuple[list[int], list[int]]]:
+    template, tokenizer, cutoff_len = _WORKER_STATE
+    return [template.encode(tokenizer, messages, cutoff_len) for messages in conversations]
+
+
+MIN_RECORDS_PER_WORKER = 256  # below this a process costs more than it tokenizes
+
+
+def encode_all(conversations: list[list[dict]], template, tokenizer, cutoff_len: int,
+               workers: int | None) -> list[tuple[list[int], list[int]]]:
+    """Every conversation encoded, in order; with ``preprocessing_num_workers``, by that many forked processes
+    (fewer for a small dataset)."""
+    n = min(workers or 1, math.ceil(len(conversations) / MIN_RECORDS_PER_WORKER))
+    if n <= 1:
+        return [template.encode(tokenizer, messages, cutoff_len) for messages in conversations]
+    import multiprocessing
+
+    size = math.ceil(len(conversations) / n)
+    chunks = [conversations[i : i + size] for i in range(0, len(conversations), size)]
+    logger.info("tokenizing %d conversations in %d processes", len(conversations), len(chunks))
+    with multiprocessing.get_context("fork").Pool(len(chunks), _init_worker, (template, tokenizer, cutoff_len)) as pool:
+        return [pair for chunk in pool.map(_encode_chunk, chunks) for pair in chunk]
+
+
+class SFTDataset:
+    """Tokenised rows plus the deterministic batch order the trainer and resume rely on."""
+
+    def __init__(self, examples: list[Example], pad_token_id: int, packed: bool = False):
         if not examples:
             raise DataError("dataset: no example has a response token within cutoff_len")
         self.examples = examples
         self.pad_token_id = pad_token_id
+        self.packed = packed
 
     def __len__(self):
         return len(self.examples)
 
     @classmethod
     def build(cls, cfg, tokenizer) -> "SFTDataset":
-        template = get_template(cfg.template, tokenizer, getattr(cfg, "enable_thinking", True))
-        examples, dropped = [], 0
-        for spec in load_dataset_specs(cfg.dataset_dir, cfg.dataset_names):
-            records = spec.read_records()[: cfg.max_samples]
-            for i, record in enumerate(records):
-                example = encode_example(spec.to_messages(record, i), template, tokenizer, cfg.cutoff_len)
-                if any(label != IGNORE_INDEX for label in example.labels[1:]):
-                    examples.append(example)
-                else:
-                    dropped += 1
-        if dropped:
-            logger.warning("dropped %d example(s) with no response token within cutoff_len=%d", dropped, cfg.cutoff_len)
+        from kt_serve.train import data_cache
+
+        enable_thinking = getattr(cfg, "enable_thinking", True)
+        template = get_template(cfg.template, tokenizer, enable_thinking)
+        conversations = [spec.to_messages(record, i)
+                         for spec in load_dataset_specs(cfg.dataset_dir, cfg.dataset_names)
+                         for i, record in enumerate(spec.read_records()[: cfg.max_samples])]
+        key = data_cache.cache_key(conversations, tokenizer, template=cfg.template, enable_thinking=enable_thinking,
+                                   cutoff_len=cfg.cutoff_len)
+        workers = getattr(cfg, "preprocessing_num_workers", None)
+        encoded = data_cache.load_or_build(
+            key, lambda: encode_all(conversations, template, tokenizer, cfg.cutoff_len, workers),
+            overwrite=getattr(cfg, "overwrite_cache", False))
+        examples = [Example(list(ids), list(labels)) for ids, labels in encoded
+                    if any(label != IGNORE_INDEX for label in labels[1:])]
+        if len(examples) < len(encoded):
+            logger.warning("dropped %d example(s) with no response token within cutoff_len=%d",
+                           len(encoded) - len(examples), cfg.cutoff_len)
+        packed = getattr(cfg, "use_packing", False)
+        if packed:
+            count = len(examples)
+            examples = pack_examples(examples, cfg.cutoff_len)
+            logger.info("packing: %d examples in %d rows of at most %d tokens", count, len(examples), cfg.cutoff_len)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        return cls(examples, pad)
+        return cls(examples, pad, packed)
+
+    def num_tokens(self, indices: list[int]) -> int:
+        return sum(len(self.examples[i].input_ids) for i in indices)
 
     def collate(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        """Right-padded batch: input_ids, attention_mask and labels (-100 on padding)."""
+        """Right-padded batch with labels -100 on padding. Unpacked: input_ids, attention_mask, labels. Packed:
+        input_ids, position_ids, labels, no attention mask: positions restart at 0 for each example (and for
+        the padding), from which transformers builds a causal mask that never crosses into another example."""
         batch = [self.examples[i] for i in indices]
         width = max(len(e.input_ids) for e in batch)
         input_ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
         labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)
         attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+        position_ids = torch.zeros((len(batch), width), dtype=torch.long)
         for row, e in enumerate(batch):
             n = len(e.input_ids)
             input_ids[row, :n] = torch.tensor(e.input_ids)
             labels[row, :n] = torch.tensor(e.labels)
             attention_mask[row, :n] = 1
+            position_ids[row] = torch.cat([torch.arange(m) for m in e.lengths + [width - n]])
+            starts = torch.tensor(e.lengths[:-1]).cumsum(0) if len(e.lengths) > 1 else torch.tensor([], dtype=torch.long)
+            labels[row, starts] = IGNORE_INDEX  # an example's first token is not predicted from the one before it
+        if self.packed:
+            return {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 

@@ -11,6 +11,9 @@ routed experts.
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
+import logging
 import re
 from dataclasses import dataclass
 
@@ -18,13 +21,14 @@ import torch
 from torch import nn
 
 from kt_serve.formats.names import ordered_target_modules
-from kt_serve.kernel import MoELoRAExperts
+from kt_serve.kernel import MoELoRAExperts, expert_checkpoint_contexts
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 # Kernel parameters trained for each targeted expert projection (the others stay at their zero-B init).
 EXPERT_PARAMS = {proj: (f"{proj[:-5]}_lora_a", f"{proj[:-5]}_lora_b") for proj in EXPERT_PROJS}
 ROUTER_LEAF = "gate"
 NEVER_TARGETED = ("lm_head",)
+logger = logging.getLogger(__name__)
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -79,9 +83,10 @@ def find_moe_blocks(model: nn.Module) -> list[MoEBlock]:
     return blocks
 
 
-def replace_routed_experts(model: nn.Module, rank: int, alpha: float) -> dict[int, CPUExperts]:
+def replace_routed_experts(model: nn.Module, rank: int, alpha: float, **kernel_options) -> dict[int, CPUExperts]:
     """Swap every block's HF experts for ``CPUExperts`` (the kernel packs its own bf16 copy of the base weights,
-    so the HF tensors are released right after); returns the kernel modules by decoder-layer index."""
+    so the HF tensors are released right after); returns the kernel modules by decoder-layer index.
+    ``kernel_options``: ``dropout``, ``max_tokens`` and ``isa`` of :class:`MoELoRAExperts`."""
     blocks = find_moe_blocks(model)
     if not blocks:
         raise ValueError(f"{type(model).__name__}: no MoE block with fused routed experts found")
@@ -89,7 +94,7 @@ def replace_routed_experts(model: nn.Module, rank: int, alpha: float) -> dict[in
     for b in blocks:
         experts = b.block.experts
         kernel = CPUExperts(gate_up_proj=experts.gate_up_proj.detach().cpu(), down_proj=experts.down_proj.detach().cpu(),
-                            rank=rank, alpha=alpha)
+                            rank=rank, alpha=alpha, **kernel_options)
         b.block.experts = kernel
         kernels[b.layer] = kernel
     return kernels
@@ -151,6 +156,19 @@ def _without_peft_v4_target_conversion():
         conversion.get_checkpoint_conversion_mapping = original
 
 
+def _set_linear_lora_dropout(model: nn.Module, p: float) -> None:
+    """PEFT's dropout on every nn.Linear LoRA. A LoRA on a parameter (the routers, PEFT's ParamWrapper) cannot
+    factor x out of ``B(A(dropout(x)))``, so PEFT refuses dropout there; those stay without it, as logged."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    for module in model.modules():
+        if isinstance(module, LoraLinear):
+            for name in module.lora_dropout:
+                module.lora_dropout[name] = nn.Dropout(p)
+    logger.info("lora_dropout %.3g applies to every LoRA but the routers' (a LoRA on the router weight cannot "
+                "take dropout in PEFT); leave `gate` out of lora_target to train none without it", p)
+
+
 class TrainModel:
     """The model being trained: PEFT-wrapped HF model with kernel experts, plus what export and the optimizer need."""
 
@@ -161,6 +179,7 @@ class TrainModel:
         self.targets = targets
         self.cfg = cfg
         self.device = device  # of the non-expert modules and the input batches
+        self.checkpointing: str | None = None
 
     @classmethod
     def load(cls, cfg) -> "TrainModel":
@@ -172,14 +191,19 @@ class TrainModel:
                                                      trust_remote_code=cfg.trust_remote_code)
         model.config.use_cache = False
         torch.manual_seed(cfg.seed)  # LoRA init (kernel experts, then PEFT) is a function of the seed
-        kernels = replace_routed_experts(model, cfg.lora_rank, cfg.lora_alpha)
+        kernels = replace_routed_experts(model, cfg.lora_rank, cfg.lora_alpha, dropout=cfg.lora_dropout,
+                                         max_tokens=cfg.kernel_max_tokens, isa=cfg.kt_config.isa)
         targets = resolve_targets(model, cfg.lora_targets)
         if targets.modules or targets.parameters:
-            lora_config = peft.LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+            # Router LoRA (PEFT target_parameters) cannot take dropout, so dropout is set per module afterwards.
+            dropout_at_creation = 0.0 if targets.parameters else cfg.lora_dropout
+            lora_config = peft.LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=dropout_at_creation,
                                           target_modules=targets.modules, target_parameters=targets.parameters or None,
                                           bias="none", task_type="CAUSAL_LM")
             with _without_peft_v4_target_conversion():
                 model = peft.get_peft_model(model, lora_config)
+            if cfg.lora_dropout > 0 and targets.parameters:
+                _set_linear_lora_dropout(model, cfg.lora_dropout)
         for kernel in kernels.values():  # PEFT froze everything it does not own
             for proj, names in EXPERT_PARAMS.items():
                 for name in names:
@@ -190,7 +214,29 @@ class TrainModel:
         model.to(device)  # CPUExperts stay on the CPU
         wrapped = cls(model, kernels, targets, cfg, torch.device(device))
         wrapped._check_no_peft_in_experts()
+        if cfg.gradient_checkpointing:
+            wrapped.enable_gradient_checkpointing(retain_expert_activations=cfg.kt_cpu_activation == "retain")
         return wrapped
+
+    def enable_gradient_checkpointing(self, retain_expert_activations: bool) -> None:
+        """Checkpoint every decoder layer (HF's non-reentrant checkpointing): its activations are recomputed in
+        the backward. The kernel's experts follow it: they keep no state in the first forward and are recomputed
+        with the layer, or, with ``retain_expert_activations`` (KT's ``kt_cpu_activation: retain``), keep their
+        state from the first forward and are skipped in the recompute (more host memory, less CPU work)."""
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        if not base.supports_gradient_checkpointing:
+            raise ValueError(f"disable_gradient_checkpointing: false, but {type(base).__name__} does not support "
+                             "gradient checkpointing; set disable_gradient_checkpointing: true")
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+            "use_reentrant": False, "context_fn": functools.partial(expert_checkpoint_contexts, retain_expert_activations)})
+        self.checkpointing = "retain expert activations" if retain_expert_activations else "recompute"
+
+    def set_dropout_seed(self, step: int, micro_batch: int) -> None:
+        """The kernel's expert-LoRA dropout masks are a function of (seed, step, micro-batch, layer): the same in
+        a checkpoint recompute, and the same again when a run resumes at that step."""
+        for layer, kernel in self.kernels.items():
+            key = f"{self.cfg.seed}/{step}/{micro_batch}/{layer}".encode()
+            kernel.dropout_seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
 
     def _check_no_peft_in_experts(self):
         from peft.tuners.tuners_utils import BaseTunerLayer

@@ -6,6 +6,7 @@ the step, so gradient accumulation gives the same update as one large batch.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -38,6 +39,19 @@ CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 class OutputDirError(ValueError):
     pass
+
+
+class _IndexDataset:
+    """Index i -> i: the DataLoader's collate_fn (SFTDataset.collate) turns a micro-batch's indices into tensors."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return i
 
 
 def _inside(path: Path, other: Path) -> bool:
@@ -135,20 +149,23 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------ steps
 
-    def training_step(self, groups: list[list[int]]) -> tuple[float, int]:
-        """Forward/backward over one optimizer step's micro-batches; returns (loss, tokens processed)."""
-        batches = [self.dataset.collate(indices) for indices in groups]
+    def training_step(self, groups: list[list[int]], batches: list[dict] | None = None) -> tuple[float, int]:
+        """Forward/backward over one optimizer step's micro-batches (collated here unless given); returns
+        (loss, tokens processed)."""
+        if batches is None:
+            batches = [self.dataset.collate(indices) for indices in groups]
         num_labels = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in batches)
-        total, tokens = 0.0, 0
-        for batch in batches:
+        total = 0.0
+        for micro, batch in enumerate(batches):
+            self.tm.set_dropout_seed(self.global_step, micro)
             batch = {k: v.to(self.tm.device) for k, v in batch.items()}
-            logits = self.tm.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            loss_sum = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
+            labels = batch.pop("labels")
+            logits = self.tm.model(**batch).logits
+            loss_sum = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
                                        ignore_index=IGNORE_INDEX, reduction="sum")
             (loss_sum / num_labels).backward()
             total += loss_sum.item()
-            tokens += int(batch["attention_mask"].sum())
-        return total / num_labels, tokens
+        return total / num_labels, sum(self.dataset.num_tokens(indices) for indices in groups)
 
     def optimizer_step(self) -> None:
         if self.cfg.max_grad_norm > 0:
@@ -163,6 +180,8 @@ class Trainer:
         return {**asdict(self.plan), "total_steps": self.total_steps}
 
     def save_checkpoint(self) -> Path:
+        """checkpoint-N: the adapter, the fp32 trainable parameters and (unless save_only_model) everything resume
+        needs; then the oldest checkpoints beyond save_total_limit are removed."""
         from safetensors.torch import save_file
 
         target = self.output_dir / f"checkpoint-{self.global_step}"
@@ -173,17 +192,39 @@ class Trainer:
                 os.replace(item, tmp / item.name)
             staged.rmdir()
             save_file({n: p.detach().cpu().contiguous() for n, p in self.params.items()}, tmp / TRAINABLE_FILE)
-            torch.save(self.optimizer.state_dict(), tmp / OPTIMIZER_FILE)
-            torch.save(self.scheduler.state_dict(), tmp / SCHEDULER_FILE)
-            torch.save(_rng_state(), tmp / RNG_FILE)
-            state = {"global_step": self.global_step, "plan": self._plan_record(), "log_history": self.log_history}
+            if not self.cfg.save_only_model:
+                torch.save(self.optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+                torch.save(self.scheduler.state_dict(), tmp / SCHEDULER_FILE)
+                torch.save(_rng_state(), tmp / RNG_FILE)
+            state = {"global_step": self.global_step, "plan": self._plan_record(), "log_history": self.log_history,
+                     "save_only_model": self.cfg.save_only_model}
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+        self._rotate_checkpoints()
         return target
+
+    def _rotate_checkpoints(self) -> None:
+        limit = self.cfg.save_total_limit
+        if limit is None:
+            return
+        found = sorted((int(m.group(1)), p) for p in self.output_dir.glob("checkpoint-*")
+                       if (m := CHECKPOINT_RE.match(p.name)))
+        for _, path in found[:-limit]:
+            shutil.rmtree(path)
+            logger.info("save_total_limit=%d: removed %s", limit, path.name)
+
+    def _should_save(self, epoch_done: bool) -> bool:
+        strategy = self.cfg.save_strategy
+        if strategy == "steps":
+            return self.global_step % self.cfg.save_steps == 0
+        return strategy == "epoch" and epoch_done
 
     def load_checkpoint(self, path: Path) -> None:
         from safetensors.torch import load_file
 
         state = json.loads((path / STATE_FILE).read_text())
+        if state.get("save_only_model"):
+            raise ValueError(f"resume_from_checkpoint {path}: written with save_only_model: true, so it holds no "
+                             "optimizer, scheduler or RNG state to resume from (start a new run from its adapter)")
         if state["plan"] != self._plan_record():
             raise ValueError(f"resume_from_checkpoint {path}: it was written with a different data plan "
                              f"{state['plan']} than this run's {self._plan_record()} (dataset, batch sizes, seed, steps)")
@@ -218,11 +259,11 @@ class Trainer:
         start_step, start_time = self.global_step, time.perf_counter()
         window_losses, window_tokens, window_start = [], 0, start_time
         bar = tqdm(total=self.total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
-        for step, epoch, groups in self.plan.steps(start_step):
-            if step >= self.total_steps:
-                break
+        steps = list(itertools.islice(self.plan.steps(start_step), self.total_steps - start_step))
+        batches = iter(self.batch_loader([mb for _, _, groups in steps for mb in groups]))
+        for step, epoch, groups in steps:
             lr = self.scheduler.get_last_lr()[0]
-            loss, tokens = self.training_step(groups)
+            loss, tokens = self.training_step(groups, [next(batches) for _ in groups])
             self.optimizer_step()
             self.global_step = step + 1
             window_losses.append(loss)
@@ -241,11 +282,22 @@ class Trainer:
                 with log_path.open("a") as f:
                     f.write(json.dumps(entry) + "\n")
                 window_losses, window_tokens, window_start = [], 0, now
-            if self.global_step % self.cfg.save_steps == 0:
+            if self._should_save(epoch_done=epoch == int(epoch)):
                 self.save_checkpoint()
         bar.close()
         self.export()
         return self.log_history
+
+    def batch_loader(self, micro_batches: list[list[int]]):
+        """The micro-batches, collated in order; with dataloader_num_workers > 0 by worker processes ahead of
+        the step (torch's DataLoader, as HF's Trainer does)."""
+        from torch.utils.data import DataLoader
+
+        workers = self.cfg.dataloader_num_workers
+        if workers == 0:
+            return (self.dataset.collate(indices) for indices in micro_batches)
+        return DataLoader(_IndexDataset(len(self.dataset)), batch_sampler=micro_batches,
+                          collate_fn=self.dataset.collate, num_workers=workers)
 
     def export(self) -> None:
         """The final adapter into output_dir (next to checkpoints and logs): staged, then moved file by file with
