@@ -21,19 +21,21 @@
 
 namespace kt {
 
-// An aligned, zero-initialised array that is reused across calls (grows, never shrinks).
+// An aligned, zero-initialised array that is reused across calls (grows, never shrinks; freed with its owner).
 template <typename T>
 class Buffer {
  public:
+  Buffer() = default;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer() { release(); }
   T* get(size_t n);  // at least n elements, contents unspecified (zeroed on growth)
-  T* data() const { return p_.get(); }
+  T* data() const { return p_; }
 
  private:
-  struct Free {
-    void operator()(T* p) const { std::free(p); }
-  };
-  std::unique_ptr<T, Free> p_;
-  size_t cap_ = 0;
+  void release();
+  T* p_ = nullptr;
+  size_t cap_ = 0, bytes_ = 0;
 };
 
 // W [N, K] packed per expert in the kernels.h block layout.

@@ -9,7 +9,7 @@ in one process. Prints tokens/s (non-padding tokens through forward+backward+opt
 training steps without checkpointing, with it (experts recomputed), and with ``kt_cpu_activation: retain``, each
 in a fresh process (peak RSS only grows within one).
 
-    python evals/bench_train.py --memory [--cutoff-len 4096] [--steps 3]
+    python evals/bench_train.py --memory [--cutoff-len 4096] [--layers 8] [--steps 3]
 """
 
 from __future__ import annotations
@@ -87,18 +87,18 @@ def bench_shape(name, root: Path, steps: int, threads: int | None):
 MEMORY_MODES = {"off": ["disable_gradient_checkpointing=true"],
                 "recompute": ["disable_gradient_checkpointing=false"],
                 "retain": ["disable_gradient_checkpointing=false", "kt_cpu_activation=retain"]}
-MEMORY_SHAPE = dict(hidden_size=512, moe_intermediate_size=512, num_experts=16, top_k=4, num_layers=4)
+MEMORY_SHAPE = dict(hidden_size=512, moe_intermediate_size=512, num_experts=16, top_k=4)
 
 
 def long_dataset(directory: Path, words: int) -> Path:
-    """Two alpaca examples of about ``words`` words each (a long-context SFT set)."""
+    """Two alpaca examples with responses of ``words`` words (cut at cutoff_len: a long-context SFT set)."""
     import json
     import random
 
     rng = random.Random(0)
     vocab = "the sea ship captain gold treasure wind sail island parrot map crew storm harbour rum deck".split()
-    records = [{"instruction": " ".join(rng.choice(vocab) for _ in range(words // 2)), "input": "",
-                "output": " ".join(rng.choice(vocab) for _ in range(words // 2))} for _ in range(2)]
+    records = [{"instruction": "Tell me a long sea story.", "input": "",
+                "output": " ".join(rng.choice(vocab) for _ in range(words))} for _ in range(2)]
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "long.json").write_text(json.dumps(records))
     (directory / "dataset_info.json").write_text(json.dumps({"long": {"file_name": "long.json"}}))
@@ -132,29 +132,34 @@ def memory_child(mode: str, root: Path, cutoff_len: int, steps: int) -> None:
                       "tokens_per_step": timings[0][1], "tok_s": tokens_per_s(timings)}), flush=True)
 
 
-def bench_memory(cutoff_len: int, steps: int) -> None:
+def bench_memory(cutoff_len: int, steps: int, layers: int) -> None:
     import json
     import subprocess
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        build_tiny_moe(root / "model", "qwen3_moe", **MEMORY_SHAPE)
+        shape = {**MEMORY_SHAPE, "num_layers": layers}
+        build_tiny_moe(root / "model", "qwen3_moe", **shape)
         long_dataset(root / "data", cutoff_len)
-        shape = MEMORY_SHAPE
         print(f"qwen3_moe H={shape['hidden_size']} I={shape['moe_intermediate_size']} E={shape['num_experts']} "
               f"top-{shape['top_k']} layers={shape['num_layers']}, cutoff_len={cutoff_len}, batch 1, lora_target=all, "
               f"{steps} steps (first excluded from tok/s)")
-        print("| gradient checkpointing | tokens/step | peak RSS MiB | RSS before training MiB | tok/s | peak vs off | tok/s vs off |")
-        print("|---|---|---|---|---|---|---|")
+        print("| gradient checkpointing | tokens/step | peak RSS MiB | RSS before training MiB | training's share MiB "
+              "| tok/s | share vs off | tok/s vs off |")
+        print("|---|---|---|---|---|---|---|---|")
         rows = {}
         for mode in MEMORY_MODES:
             out = subprocess.run([sys.executable, __file__, "--memory-child", mode, "--root", str(root),
                                   "--cutoff-len", str(cutoff_len), "--steps", str(steps)],
-                                 check=True, capture_output=True, text=True).stdout
+                                 capture_output=True, text=True)
+            if out.returncode:
+                raise SystemExit(f"--memory-child {mode} failed:\n{out.stderr[-3000:]}")
+            out = out.stdout
             rows[mode] = row = json.loads(out.strip().splitlines()[-1])
             off = rows["off"]
+            share = {m: r["peak_rss_mib"] - r["before_steps_mib"] for m, r in rows.items()}
             print(f"| {mode} | {row['tokens_per_step']} | {row['peak_rss_mib']:,.0f} | {row['before_steps_mib']:,.0f} "
-                  f"| {row['tok_s']:,.0f} | {row['peak_rss_mib'] / off['peak_rss_mib']:.2f}x "
+                  f"| {share[mode]:,.0f} | {row['tok_s']:,.0f} | {share[mode] / share['off']:.2f}x "
                   f"| {row['tok_s'] / off['tok_s']:.2f}x |", flush=True)
 
 
@@ -165,6 +170,7 @@ def main(argv=None):
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--memory", action="store_true", help="peak RSS with and without gradient checkpointing")
     p.add_argument("--cutoff-len", type=int, default=4096)
+    p.add_argument("--layers", type=int, default=8, help="decoder layers of the --memory model")
     p.add_argument("--memory-child", choices=list(MEMORY_MODES), help=argparse.SUPPRESS)
     p.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -178,7 +184,7 @@ def main(argv=None):
     print(f"torch threads {torch.get_num_threads()}, kernel threads {num_threads()}, kernel ISA {cpu_isa()}, "
           f"{a.steps} steps (first excluded)")
     if a.memory:
-        bench_memory(a.cutoff_len, a.steps)
+        bench_memory(a.cutoff_len, a.steps, a.layers)
         return
     print("| shape | H | I | E/top-k | layers | tokens/step | kt_serve.train tok/s | reference tok/s | speed-up |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -129,3 +129,47 @@ def test_packed_step_equals_unpacked_step(models, dataset_dir, tmp_path):
                                                            "packing=true"), steps=1)
     assert packed_loss == pytest.approx(loss, rel=1e-5)
     assert max(rel(packed_grads[n], grads[n]) for n in grads) < 1e-4
+
+
+@pytest.mark.parametrize("retain", [False, True])
+def test_checkpointed_experts_whose_output_is_saved_downstream(retain):
+    """A checkpointed region that multiplies the experts' output by a trainable tensor saves that output for its
+    backward, so the recompute must reproduce it exactly (from the kernel, or from what retain kept)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from kt_serve.kernel import MoELoRAExperts, expert_checkpoint_contexts
+
+    gen = torch.Generator().manual_seed(0)
+    E, H, I, T, k = 4, 48, 24, 9, 2
+    weights = [torch.randn(E, I, H, generator=gen) * 0.1, torch.randn(E, I, H, generator=gen) * 0.1,
+               torch.randn(E, H, I, generator=gen) * 0.1]
+    torch.manual_seed(0)
+    experts = MoELoRAExperts(*weights, rank=4, alpha=8.0, dropout=0.3)
+    with torch.no_grad():
+        for name in ("gate_lora_b", "up_lora_b", "down_lora_b"):
+            getattr(experts, name).normal_(0, 0.1, generator=gen)
+    experts.dropout_seed = 11
+    x = torch.randn(T, H, generator=gen)
+    ids = torch.randint(0, E, (T, k), generator=gen)
+    scale = torch.randn(H, generator=gen)
+
+    def region(x, w, s):
+        y = experts(x, ids, w.softmax(-1))
+        return (y * s).sin()  # saves y * s and s: the recompute must give the same y
+
+    def grads(checkpointed):
+        inputs = [t.clone().requires_grad_() for t in (x, torch.randn(T, k, generator=torch.Generator().manual_seed(1)),
+                                                       scale)]
+        if checkpointed:
+            out = checkpoint(region, *inputs, use_reentrant=False,
+                             context_fn=lambda: expert_checkpoint_contexts(retain))
+        else:
+            out = region(*inputs)
+        out.square().sum().backward()
+        result = [t.grad.clone() for t in inputs] + [p.grad.clone() for p in experts.parameters()]
+        experts.zero_grad()
+        return result
+
+    plain, checkpointed = grads(False), grads(True)
+    for a, b in zip(checkpointed, plain):
+        assert rel(a, b) < 1e-6
