@@ -145,6 +145,8 @@ def train_config(args, model: Path, adapter_dir: Path) -> dict:
         "learning_rate": 2.0e-4 if args.model_path else 3.0e-3, "max_steps": args.size.train_steps, "lr_scheduler_type": "cosine",
         # a real model's frozen weights in bf16 halve its memory; the tiny one trains exactly in fp32
         "warmup_ratio": 0.05, "bf16": args.model_path is not None, "seed": 42,
+        # a real model recomputes its layers in the backward to save memory; the tiny one has none to save
+        "disable_gradient_checkpointing": args.model_path is None,
         "kt_config": {"threads": args.threads or None},  # None: all physical cores
     }
 

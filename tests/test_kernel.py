@@ -20,6 +20,18 @@ ISAS = (["portable"] + (["avx512_bf16"] if _kernel.has_avx512_bf16() else [])
 TOL = 1e-2
 
 
+def module_forward_backward(mod, lo, x, ids, w, grad_out):
+    """The training module with the LoRA ``lo`` loaded, one forward and backward: (y, x leaf, weights leaf)."""
+    with torch.no_grad():
+        for n in KT_NAMES:
+            getattr(mod, n).copy_(lo[n].float())
+    xs = x.float().clone().requires_grad_(True)
+    ws = w.clone().requires_grad_(True)
+    y = mod(xs, ids, ws)
+    y.backward(grad_out.float())
+    return y, xs, ws
+
+
 @pytest.fixture(autouse=True)
 def _seeded():
     """Inputs drawn from torch's global generator are the same every run (torch seeds it randomly per process)."""
@@ -213,13 +225,7 @@ def test_backward_matches_autograd(isa, E, H, I, r, T, k):
     y_ref, gx_ref, gw_ref, glora_ref = reference_grads(x, ids, w, gate, up, down, lo, grad_out)
 
     mod = MoELoRAExperts(gate, up, down, rank=r, alpha=lo["alpha"], isa=isa)
-    with torch.no_grad():
-        for n in KT_NAMES:
-            getattr(mod, n).copy_(lo[n].float())
-    xs = x.float().clone().requires_grad_(True)
-    ws = w.clone().requires_grad_(True)
-    y = mod(xs, ids, ws)
-    y.backward(grad_out.float())
+    y, xs, ws = module_forward_backward(mod, lo, x, ids, w, grad_out)
     assert rel_l2(y, y_ref) <= TOL
     assert rel_l2(xs.grad, gx_ref) <= TOL
     assert rel_l2(ws.grad, gw_ref) <= TOL

@@ -14,7 +14,7 @@ import torch
 from kt_serve import _kernel
 from kt_serve.kernel import KT_NAMES, ExpertLoRA, MoEExperts, MoELoRAExperts, dropout_keep_mask
 from moe_reference import moe_lora_reference
-from test_kernel import ISAS, TOL, make_lora, make_weights, rel_l2, routing
+from test_kernel import ISAS, TOL, make_lora, make_weights, module_forward_backward, rel_l2, routing
 
 U64 = np.uint64
 
@@ -112,14 +112,8 @@ def test_training_module_matches_reference(isa, p, E, H, I, r, T, k):
     assert rel_l2(gl_ref["gate_lora_a"], gl_plain["gate_lora_a"]) > 0.05  # the masks matter at this scale
 
     mod = MoELoRAExperts(gate, up, down, rank=r, alpha=lo["alpha"], isa=isa, dropout=p)
-    with torch.no_grad():
-        for n in KT_NAMES:
-            getattr(mod, n).copy_(lo[n].float())
     mod.dropout_seed = seed
-    xs = x.float().clone().requires_grad_(True)
-    ws = w.clone().requires_grad_(True)
-    y = mod(xs, ids, ws)
-    y.backward(grad_out.float())
+    y, xs, ws = module_forward_backward(mod, lo, x, ids, w, grad_out)
     assert rel_l2(y, y_ref) <= TOL
     assert rel_l2(xs.grad, gx_ref) <= TOL
     assert rel_l2(ws.grad, gw_ref) <= TOL
