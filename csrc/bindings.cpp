@@ -81,6 +81,7 @@ PYBIND11_MODULE(_kernel, m) {
   m.def("default_num_threads", &kt::default_num_threads);
   m.def("cpu_isa", [] { return std::string(kt::select_kernels("auto").name); },
         "The kernel table chosen for this CPU (honours KT_SERVE_ISA).");
+  m.def("has_avx2", [] { return kt::cpu_has_avx2_fma() && kt::kernels_avx2() != nullptr; });
   m.def("has_avx512_bf16", [] { return kt::cpu_has_avx512_bf16() && kt::kernels_avx512_bf16() != nullptr; });
   m.def("has_amx_bf16", [] { return kt::cpu_has_amx_bf16() && kt::kernels_amx_bf16() != nullptr; });
 }

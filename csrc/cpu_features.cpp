@@ -1,4 +1,4 @@
-// The one place that decides which kernel table runs: CPU feature bits plus OS support for the zmm state.
+// The one place that decides which kernel table runs: CPU feature bits plus OS support for the ymm/zmm state.
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -13,6 +13,21 @@
 #endif
 
 namespace kt {
+
+bool cpu_has_avx2_fma() {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(1, 0, &a, &b, &c, &d)) return false;
+  if (!(c & (1u << 12)) || !(c & (1u << 27)) || !(c & (1u << 28))) return false;  // FMA, OSXSAVE, AVX
+  unsigned xcr0_lo, xcr0_hi;
+  __asm__ volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+  if ((xcr0_lo & 0x6u) != 0x6u) return false;  // OS saves XMM/YMM state
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  return b & (1u << 5);  // AVX2
+#else
+  return false;
+#endif
+}
 
 bool cpu_has_avx512_bf16() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -59,13 +74,14 @@ const Kernels& select_kernels(const char* requested) {
   if (want == "portable") return kernels_portable();
   const Kernels* avx512 = cpu_has_avx512_bf16() ? kernels_avx512_bf16() : nullptr;
   const Kernels* amx = avx512 && kernels_amx_bf16() && cpu_has_amx_bf16() ? kernels_amx_bf16() : nullptr;
-  if (want == "auto") return amx ? *amx : avx512 ? *avx512 : kernels_portable();
-  if (want == "avx512_bf16" || want == "amx_bf16") {
-    const Kernels* k = want == "amx_bf16" ? amx : avx512;
+  const Kernels* avx2 = cpu_has_avx2_fma() ? kernels_avx2() : nullptr;
+  if (want == "auto") return amx ? *amx : avx512 ? *avx512 : avx2 ? *avx2 : kernels_portable();
+  if (want == "avx2" || want == "avx512_bf16" || want == "amx_bf16") {
+    const Kernels* k = want == "amx_bf16" ? amx : want == "avx512_bf16" ? avx512 : avx2;
     if (!k) throw std::invalid_argument("isa '" + want + "' requested but this CPU/OS/build lacks it");
     return *k;
   }
-  throw std::invalid_argument("unknown isa '" + want + "' (expected auto, portable, avx512_bf16 or amx_bf16)");
+  throw std::invalid_argument("unknown isa '" + want + "' (expected auto, portable, avx2, avx512_bf16 or amx_bf16)");
 }
 
 }  // namespace kt
@@ -76,5 +92,8 @@ const Kernels* kernels_avx512_bf16() { return nullptr; }  // not built for this 
 #endif
 #ifndef KT_HAVE_AMX_BF16
 const Kernels* kernels_amx_bf16() { return nullptr; }
+#endif
+#ifndef KT_HAVE_AVX2
+const Kernels* kernels_avx2() { return nullptr; }
 #endif
 }  // namespace kt

@@ -72,10 +72,12 @@ struct Kernels {
 const Kernels& kernels_portable();
 const Kernels* kernels_avx512_bf16();  // nullptr when this build has no AVX512-BF16 path
 const Kernels* kernels_amx_bf16();     // nullptr when this build has no AMX path
+const Kernels* kernels_avx2();         // nullptr when this build has no AVX2 path
 
-// The table for this CPU: AMX-BF16, else AVX512-BF16, when the CPU and OS support them, else the portable one.
-// KT_SERVE_ISA (or the isa argument) names one: "portable", "avx512_bf16", "amx_bf16".
+// The table for this CPU: AMX-BF16, else AVX512-BF16, else AVX2 + FMA, when the CPU and OS support them, else the
+// portable one. KT_SERVE_ISA (or the isa argument) names one: "portable", "avx2", "avx512_bf16", "amx_bf16".
 const Kernels& select_kernels(const char* requested /* nullptr or "auto" = best */);
+bool cpu_has_avx2_fma();
 bool cpu_has_avx512_bf16();
 bool cpu_has_amx_bf16();  // also obtains the Linux permission to use tile data
 

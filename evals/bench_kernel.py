@@ -1,13 +1,15 @@
 """Benchmark of the MoE-LoRA kernel: forward and forward+backward against a plain torch bf16 per-expert loop and
 (when installed) kt-kernel 0.7.2, measured in the same run, plus the share of the roofline reached.
 
-    python evals/bench_kernel.py [--tokens 1 8 64 512] [--json FILE] [--threads N]
+    python evals/bench_kernel.py [--tokens 1 8 64 512] [--isa avx512_bf16,avx2,portable] [--json FILE] [--threads N]
 
 Default shape: H=2048, I=768, E=64, top-8, r=8 (Qwen3-30B-A3B's experts). Each implementation gets ``--layers``
 independent weight sets and cycles through them call by call, as a model does, so the weights are not served
 from a cache larger than one layer (this machine's L3 can hold most of one). Times are min / median over repeats;
 ``vs_*`` = baseline time / our time (above 1 means kt_serve is faster). The roofline is max(bytes of the experts
 touched / measured memory bandwidth, FLOPs / measured bf16 GEMM peak), both measured here with torch.
+``--isa`` takes a comma list of kernel tables: each gets its own row set (the baselines are measured once), then
+every table's time over the first one's per T.
 """
 
 from __future__ import annotations
@@ -148,9 +150,13 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="0 = physical cores")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--layers", type=int, default=3, help="independent weight sets cycled call by call")
+    ap.add_argument("--isa", default="auto",
+                    help="kernel table(s), comma separated (auto, portable, avx2, avx512_bf16, amx_bf16)")
+    ap.add_argument("--no-torch", action="store_true", help="skip the torch bf16 baseline")
     ap.add_argument("--no-kt", action="store_true", help="skip kt-kernel even if installed")
     ap.add_argument("--json", help="also write the rows as JSON to this file")
     args = ap.parse_args(argv)
+    isas = [s.strip() for s in args.isa.split(",") if s.strip()]
 
     set_num_threads(args.threads)
     threads = num_threads()
@@ -167,7 +173,8 @@ def main(argv=None) -> int:
     }
     lora_obj = ExpertLoRA(**lora, alpha=alpha)
 
-    print(f"kt_serve kernel bench: H={H} I={I} E={E} top-{k} r={r}, {threads} threads, isa={cpu_isa()}, "
+    print(f"kt_serve kernel bench: H={H} I={I} E={E} top-{k} r={r}, {threads} threads, isa={','.join(isas)} "
+          f"(auto = {cpu_isa()}), "
           f"{L} layers cycled, torch {torch.__version__}", flush=True)
     load = os.getloadavg()[0]
     if load > 0.5:
@@ -176,12 +183,16 @@ def main(argv=None) -> int:
     print(f"machine: read bandwidth {bw:.1f} GB/s, torch bf16 GEMM {peak:.0f} GFLOP/s", flush=True)
 
     grads = ExpertLoRA(*(torch.zeros(v.shape) for v in lora.values()), alpha=alpha)
-    ours = []
-    for gate, up, down in weights:
-        m = MoEExperts(gate, up, down, max_tokens=max(args.tokens))
-        m.set_adapter(0, lora_obj)
-        m.set_grad_buffers(0, grads)
-        ours.append(m)
+
+    def build_ours(isa):
+        mods = []
+        for gate, up, down in weights:
+            m = MoEExperts(gate, up, down, max_tokens=max(args.tokens), isa=isa)
+            m.set_adapter(0, lora_obj)
+            m.set_grad_buffers(0, grads)
+            mods.append(m)
+        return mods
+
     kts, kt_err = [], "skipped (--no-kt)"
     if not args.no_kt:
         for gate, up, down in weights:
@@ -199,74 +210,96 @@ def main(argv=None) -> int:
         return cycle[name]
     tl = {n: v.clone().requires_grad_(True) for n, v in lora.items()}
 
-    rows = []
+    inputs = {}
     for T in args.tokens:
         g = torch.Generator().manual_seed(T)
         x = torch.randn(T, H, generator=g).bfloat16()
         logits = torch.randn(T, E, generator=g)
         w, ids = torch.softmax(logits, -1).topk(k, dim=-1)
         w = (w / w.sum(-1, keepdim=True)).float().contiguous()
-        ids = ids.contiguous()
-        gy = torch.randn(T, H, generator=g).bfloat16()
-        rep = args.repeats if T <= 64 else max(3, args.repeats // 2)
+        inputs[T] = (x, ids.contiguous(), w, torch.randn(T, H, generator=g).bfloat16())
 
-        def ours_fwd():
-            ours[next_layer("ours")].forward_sft(x, ids, w, slots=0)
+    rows, baselines = [], {}  # baselines[(T, op)] = (torch min ms, kt min ms), measured with the first table
+    for isa in isas:
+        ours = build_ours(isa)  # one table's packed weights at a time
+        for T in args.tokens:
+            x, ids, w, gy = inputs[T]
+            rep = args.repeats if T <= 64 else max(3, args.repeats // 2)
 
-        def ours_fb():
-            m = ours[next_layer("ours")]
-            m.forward_sft(x, ids, w, save_for_backward=True, slots=0)
-            m.backward(gy)
+            def ours_fwd():
+                ours[next_layer("ours")].forward_sft(x, ids, w, slots=0)
 
-        def torch_fwd():
-            with torch.no_grad():
-                torch_loop(x, ids, w, *weights[next_layer("torch")], lora, alpha / r)
+            def ours_fb():
+                m = ours[next_layer("ours")]
+                m.forward_sft(x, ids, w, save_for_backward=True, slots=0)
+                m.backward(gy)
 
-        def torch_fb():
-            xs = x.clone().requires_grad_(True)
-            ws = w.clone().requires_grad_(True)
-            torch_loop(xs, ids, ws, *weights[next_layer("torch")], tl, alpha / r).backward(gy)
+            def torch_fwd():
+                with torch.no_grad():
+                    torch_loop(x, ids, w, *weights[next_layer("torch")], lora, alpha / r)
 
-        def kt_fwd():
-            kts[next_layer("kt")].forward(x, ids, w)
+            def torch_fb():
+                xs = x.clone().requires_grad_(True)
+                ws = w.clone().requires_grad_(True)
+                torch_loop(xs, ids, ws, *weights[next_layer("torch")], tl, alpha / r).backward(gy)
 
-        def kt_fb():
-            kts[next_layer("kt")].fwd_bwd(x, ids, w, gy)
+            def kt_fwd():
+                kts[next_layer("kt")].forward(x, ids, w)
 
-        for op, fn_ours, fn_torch, fn_kt in (
-            ("fwd", ours_fwd, torch_fwd, kt_fwd if kts else None),
-            ("fwd_bwd", ours_fb, torch_fb, kt_fb if kts else None),
-        ):
-            o_min, o_med = timeit(fn_ours, rep)
-            t_min, t_med = timeit(fn_torch, rep)
-            k_min = k_med = None
-            if fn_kt is not None:
-                k_min, k_med = timeit(fn_kt, rep)
-            roof = roofline_ms(T, E, H, I, k, r, bw, peak, op)
-            row = {
-                "T": T, "op": op, "ms": round(o_min, 3), "ms_median": round(o_med, 3),
-                "torch_ms": round(t_min, 3), "kt_ms": None if k_min is None else round(k_min, 3),
-                "vs_torch": round(t_min / o_min, 3),
-                "vs_kt": None if k_min is None else round(k_min / o_min, 3),
-                "roofline_ms": round(roof, 3), "roofline_pct": round(100 * roof / o_min, 1),
-                "tok_per_s": round(T / (o_min / 1e3), 1),
-            }
-            rows.append(row)
-            print(f"T={T:4d} {op:8s} ours {o_min:8.2f} / {o_med:8.2f} ms | torch bf16 {t_min:8.2f} ms "
-                  f"(x{row['vs_torch']:.2f}) | kt-kernel "
-                  + (f"{k_min:8.2f} ms (x{row['vs_kt']:.2f})" if k_min is not None else "     n/a")
-                  + f" | roofline {roof:7.2f} ms = {row['roofline_pct']:.0f}%", flush=True)
+            def kt_fb():
+                kts[next_layer("kt")].fwd_bwd(x, ids, w, gy)
+
+            for op, fn_ours, fn_torch, fn_kt in (
+                ("fwd", ours_fwd, torch_fwd, kt_fwd if kts else None),
+                ("fwd_bwd", ours_fb, torch_fb, kt_fb if kts else None),
+            ):
+                o_min, o_med = timeit(fn_ours, rep)
+                if (T, op) not in baselines:
+                    t_min = None if args.no_torch else timeit(fn_torch, rep)[0]
+                    k_min = None if fn_kt is None else timeit(fn_kt, rep)[0]
+                    baselines[T, op] = (t_min, k_min)
+                t_min, k_min = baselines[T, op]
+                roof = roofline_ms(T, E, H, I, k, r, bw, peak, op)
+                row = {
+                    "isa": ours[0].isa, "T": T, "op": op, "ms": round(o_min, 3), "ms_median": round(o_med, 3),
+                    "torch_ms": None if t_min is None else round(t_min, 3),
+                    "kt_ms": None if k_min is None else round(k_min, 3),
+                    "vs_torch": None if t_min is None else round(t_min / o_min, 3),
+                    "vs_kt": None if k_min is None else round(k_min / o_min, 3),
+                    "roofline_ms": round(roof, 3), "roofline_pct": round(100 * roof / o_min, 1),
+                    "tok_per_s": round(T / (o_min / 1e3), 1),
+                }
+                rows.append(row)
+                print(f"{row['isa']:11s} T={T:4d} {op:8s} ours {o_min:8.2f} / {o_med:8.2f} ms | torch bf16 "
+                      + (f"{t_min:8.2f} ms (x{row['vs_torch']:.2f})" if t_min is not None else "     n/a")
+                      + " | kt-kernel "
+                      + (f"{k_min:8.2f} ms (x{row['vs_kt']:.2f})" if k_min is not None else "     n/a")
+                      + f" | roofline {roof:7.2f} ms = {row['roofline_pct']:.0f}%", flush=True)
+        del ours
+
+    def fmt(v, suffix=""):
+        return "n/a" if v is None else f"{v:.2f}{suffix}"
 
     print()
-    print("| T | op | ours ms (min/median) | torch bf16 ms | vs torch | kt-kernel ms | vs kt | roofline ms | % roofline |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| isa | T | op | ours ms (min/median) | torch bf16 ms | vs torch | kt-kernel ms | vs kt | roofline ms "
+          "| % roofline |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r_ in rows:
-        kt_s = "n/a" if r_["kt_ms"] is None else f"{r_['kt_ms']:.2f}"
-        vs_kt = "n/a" if r_["vs_kt"] is None else f"{r_['vs_kt']:.2f}x"
-        print(f"| {r_['T']} | {r_['op']} | {r_['ms']:.2f} / {r_['ms_median']:.2f} | {r_['torch_ms']:.2f} | "
-              f"{r_['vs_torch']:.2f}x | {kt_s} | {vs_kt} | {r_['roofline_ms']:.2f} | {r_['roofline_pct']:.0f}% |")
+        print(f"| {r_['isa']} | {r_['T']} | {r_['op']} | {r_['ms']:.2f} / {r_['ms_median']:.2f} | "
+              f"{fmt(r_['torch_ms'])} | {fmt(r_['vs_torch'], 'x')} | {fmt(r_['kt_ms'])} | {fmt(r_['vs_kt'], 'x')} | "
+              f"{r_['roofline_ms']:.2f} | {r_['roofline_pct']:.0f}% |")
+    names = list(dict.fromkeys(r_["isa"] for r_ in rows))
+    if len(names) > 1:  # each table's time over the first one's (above 1: slower than the first)
+        ms = {(r_["isa"], r_["T"], r_["op"]): r_["ms"] for r_ in rows}
+        print()
+        print("| T | op | " + " | ".join(f"{n} / {names[0]}" for n in names[1:]) + " |")
+        print("|---|---|" + "---|" * (len(names) - 1))
+        for T in args.tokens:
+            for op in ("fwd", "fwd_bwd"):
+                print(f"| {T} | {op} | " + " | ".join(f"{ms[n, T, op] / ms[names[0], T, op]:.2f}x" for n in names[1:])
+                      + " |")
     if args.json:
-        keys = ("T", "op", "ms", "vs_torch", "vs_kt", "roofline_pct")
+        keys = ("isa", "T", "op", "ms", "vs_torch", "vs_kt", "roofline_pct")
         with open(args.json, "w") as f:
             json.dump([{k_: r_[k_] for k_ in keys} for r_ in rows], f, indent=2)
         print(f"wrote {args.json}")

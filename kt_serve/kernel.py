@@ -51,7 +51,9 @@ def num_threads() -> int:
 
 
 def cpu_isa() -> str:
-    """The kernel table this CPU gets: ``avx512_bf16`` or ``portable`` (``KT_SERVE_ISA=portable`` forces it)."""
+    """The kernel table this CPU gets: the best of ``amx_bf16``, ``avx512_bf16``, ``avx2`` (AVX2 + FMA) and
+    ``portable`` it supports. ``KT_SERVE_ISA`` (or ``isa=`` of the modules) names one to force it, e.g. ``avx2``
+    or ``portable``; naming one this CPU lacks is an error."""
     return _kernel.cpu_isa()
 
 

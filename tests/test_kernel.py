@@ -15,8 +15,8 @@ from kt_serve import _kernel
 from kt_serve.kernel import KT_NAMES, ExpertLoRA, MoEExperts, MoELoRAExperts
 from moe_reference import moe_lora_reference
 
-ISAS = (["portable"] + (["avx512_bf16"] if _kernel.has_avx512_bf16() else [])
-        + (["amx_bf16"] if _kernel.has_amx_bf16() else []))
+ISAS = (["portable"] + (["avx2"] if _kernel.has_avx2() else [])
+        + (["avx512_bf16"] if _kernel.has_avx512_bf16() else []) + (["amx_bf16"] if _kernel.has_amx_bf16() else []))
 TOL = 1e-2
 
 

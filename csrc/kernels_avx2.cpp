@@ -1,0 +1,378 @@
+// AVX2 + FMA table (Haswell and later, Zen 1-3: CPUs without AVX512-BF16). Built with -mavx2 -mfma; only called
+// after cpu_has_avx2_fma() said yes. Reads the same packed "VNNI" blocks as the other tables: a 32-byte load of
+// a block row holds 8 columns × 2 consecutive K values; the even-K values become fp32 by shifting each 32-bit
+// lane left by 16, the odd-K values by clearing its low 16 bits.
+#include <immintrin.h>
+
+#include <algorithm>
+
+#include "kernels.h"
+
+namespace {
+
+using kt::bf16;
+using kt::kBlockN;
+
+// ------------------------------------------------------------------------------------------------ vector helpers
+
+inline __m256 bf16x8_to_f32(__m128i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16)); }
+
+inline __m256i tail_mask(int n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// 8 values from p, of which the first n (< 8: the rest read as 0, nothing past them is touched) are valid.
+inline __m256 load8(const float* p, int n) { return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, tail_mask(n)); }
+inline __m256 load8(const bf16* p, int n) {
+  if (n >= 8) return bf16x8_to_f32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  alignas(16) bf16 t[8] = {};
+  std::memcpy(t, p, sizeof(bf16) * std::max(n, 0));
+  return bf16x8_to_f32(_mm_load_si128(reinterpret_cast<const __m128i*>(t)));
+}
+inline void store8(float* p, __m256 v, int n) {
+  if (n >= 8) return _mm256_storeu_ps(p, v);
+  _mm256_maskstore_ps(p, tail_mask(n), v);
+}
+
+// Round to nearest even exactly as kt::f32_to_bf16 (NaN stays NaN), first n of 8 values stored.
+inline void store_bf16x8(bf16* p, __m256 v, int n) {
+  const __m256i u = _mm256_castps_si256(v), hi = _mm256_srli_epi32(u, 16);
+  const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(hi, _mm256_set1_epi32(1)));
+  const __m256i nan =
+      _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+  const __m256i r = _mm256_blendv_epi8(_mm256_srli_epi32(_mm256_add_epi32(u, bias), 16),
+                                       _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
+  const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  if (n >= 8) return _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+  alignas(16) bf16 t[8];
+  _mm_store_si128(reinterpret_cast<__m128i*>(t), h);
+  std::memcpy(p, t, sizeof(bf16) * std::max(n, 0));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// ------------------------------------------------------------------------------------------------ packed GEMM
+
+// K is walked in chunks of kKC values: the chunk's A rows are converted to fp32 once (so a broadcast is one load)
+// and the chunk's 8 KiB of each block stays in L1 while the column passes and row groups go over it (with the
+// next chunk prefetched, two blocks take 32 KiB of L1).
+constexpr int kKC = 64;
+
+// Fixed-count loops over accumulators are unrolled before scalar replacement runs, or GCC keeps the accumulator
+// array in memory and stores it every K step.
+#define KT_UNROLL _Pragma("GCC unroll 16")
+
+// One column pass over a K chunk: MR rows × NC groups of 8 columns of NB blocks (1, or 2 streamed side by side).
+// a[n]: fp32 rows (stride kc) for block n, b[n]: the block at the chunk's first row and the pass's first column.
+// Per K pair each accumulator takes two FMAs (even-K, odd-K). Register budget (16 ymm): the accumulators, the
+// 0xffff0000 mask, and either the converted block values of one block (2·NC, with the broadcasts streamed; when
+// MR > NC) or the broadcasts of one block's rows (2·MR, with the block values streamed).
+template <int MR, int NB, int NC, bool kPrefetch>
+inline void gemm_pass(const float* const (&a)[NB], int kc, const bf16* const (&b)[NB], float* const (&c)[NB],
+                      int64_t ldc, bool first) {
+  constexpr bool kHoldB = MR > NC;
+  static_assert(MR * NB * NC + 2 * (kHoldB ? NC : MR) + 3 <= 16, "tile does not fit the 16 ymm registers");
+  __m256 acc[NB][MR][NC];
+  KT_UNROLL
+  for (int n = 0; n < NB; ++n)
+    KT_UNROLL
+    for (int m = 0; m < MR; ++m)
+      KT_UNROLL
+      for (int v = 0; v < NC; ++v) acc[n][m][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c[n] + m * ldc + 8 * v);
+  const __m256i hi16 = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int kk = 0; kk < kc / 2; ++kk) {
+    KT_UNROLL
+    for (int n = 0; n < NB; ++n) {
+      const bf16* row = b[n] + static_cast<int64_t>(kk) * kBlockN * 2;
+      if constexpr (kPrefetch)  // this pass's columns of the same row of the next chunk
+        KT_UNROLL
+        for (int l = 0; l < (NC + 1) / 2; ++l)
+          _mm_prefetch(reinterpret_cast<const char*>(row + kKC * kBlockN) + 64 * l, _MM_HINT_T0);
+      const float* ar = a[n] + 2 * kk;
+      auto split = [&](int v, __m256& even, __m256& odd) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * v));
+        even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+        odd = _mm256_castsi256_ps(_mm256_and_si256(w, hi16));
+      };
+      if constexpr (kHoldB) {
+        __m256 even[NC], odd[NC];
+        KT_UNROLL
+        for (int v = 0; v < NC; ++v) split(v, even[v], odd[v]);
+        KT_UNROLL
+        for (int m = 0; m < MR; ++m) {
+          const __m256 a0 = _mm256_broadcast_ss(ar + m * kc), a1 = _mm256_broadcast_ss(ar + m * kc + 1);
+          KT_UNROLL
+          for (int v = 0; v < NC; ++v) {
+            acc[n][m][v] = _mm256_fmadd_ps(a0, even[v], acc[n][m][v]);
+            acc[n][m][v] = _mm256_fmadd_ps(a1, odd[v], acc[n][m][v]);
+          }
+        }
+      } else {
+        __m256 a0[MR], a1[MR];
+        KT_UNROLL
+        for (int m = 0; m < MR; ++m) {
+          a0[m] = _mm256_broadcast_ss(ar + m * kc);
+          a1[m] = _mm256_broadcast_ss(ar + m * kc + 1);
+        }
+        KT_UNROLL
+        for (int v = 0; v < NC; ++v) {
+          __m256 even, odd;
+          split(v, even, odd);
+          KT_UNROLL
+          for (int m = 0; m < MR; ++m) {
+            acc[n][m][v] = _mm256_fmadd_ps(a0[m], even, acc[n][m][v]);
+            acc[n][m][v] = _mm256_fmadd_ps(a1[m], odd, acc[n][m][v]);
+          }
+        }
+      }
+    }
+  }
+  KT_UNROLL
+  for (int n = 0; n < NB; ++n)
+    KT_UNROLL
+    for (int m = 0; m < MR; ++m)
+      KT_UNROLL
+      for (int v = 0; v < NC; ++v) _mm256_storeu_ps(c[n] + m * ldc + 8 * v, acc[n][m][v]);
+}
+
+// All 64 columns of one K chunk, 8 / NC passes. Each pass prefetches what it will read in the next chunk, so the
+// memory streams while every pass computes (decode is bound by weight bandwidth).
+template <int MR, int NB, int NC>
+void gemm_chunk(const float* const (&a)[NB], int kc, const bf16* const (&b)[NB], float* const (&c)[NB], int64_t ldc,
+                bool first, bool prefetch) {
+  static_assert(kBlockN % (8 * NC) == 0, "passes must tile the 64 columns");
+  for (int p = 0; p < kBlockN / (8 * NC); ++p) {
+    const bf16* bp[NB];
+    float* cp[NB];
+    for (int n = 0; n < NB; ++n) bp[n] = b[n] + p * NC * 16, cp[n] = c[n] + p * NC * 8;
+    if (prefetch)
+      gemm_pass<MR, NB, NC, true>(a, kc, bp, cp, ldc, first);
+    else
+      gemm_pass<MR, NB, NC, false>(a, kc, bp, cp, ldc, first);
+  }
+}
+
+// rows × kc bf16 values (kc a multiple of 32, the padding included) to fp32 rows of stride kc.
+void rows_to_f32(int rows, const bf16* A, int64_t lda, int kc, float* out) {
+  for (int m = 0; m < rows; ++m)
+    for (int k = 0; k < kc; k += 8)
+      _mm256_storeu_ps(out + m * kc + k,
+                       bf16x8_to_f32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(A + m * lda + k))));
+}
+
+// 4 rows × 16 columns is the widest FMA-to-conversion ratio the registers allow (16 FMAs per 2 shifts + 2 ANDs
+// per K pair); 1-3 leftover rows take wider column passes.
+void gemm_block_avx2(int M, const bf16* A, int64_t lda, const bf16* block, int kp, float* C, int64_t ldc) {
+  alignas(32) float buf[4 * kKC];
+  for (int k0 = 0; k0 < kp; k0 += kKC) {
+    const int kc = std::min(kKC, kp - k0);
+    const bf16* const b[1] = {block + static_cast<int64_t>(k0) * kBlockN};
+    const float* const a[1] = {buf};
+    for (int m0 = 0; m0 < M; m0 += 4) {
+      const int mr = std::min(4, M - m0);
+      rows_to_f32(mr, A + m0 * lda + k0, lda, kc, buf);
+      float* const c[1] = {C + m0 * ldc};
+      const bool first = k0 == 0, pf = m0 == 0;
+      switch (mr) {
+        case 4: gemm_chunk<4, 1, 2>(a, kc, b, c, ldc, first, pf); break;
+        case 3: gemm_chunk<3, 1, 2>(a, kc, b, c, ldc, first, pf); break;
+        case 2: gemm_chunk<2, 1, 4>(a, kc, b, c, ldc, first, pf); break;
+        default: gemm_chunk<1, 1, 8>(a, kc, b, c, ldc, first, pf); break;
+      }
+    }
+  }
+}
+
+// Up to kPairRows = 3 rows (decode, where weight bandwidth decides) both blocks are streamed side by side;
+// with more rows each loaded block is reused enough that one block after the other is faster.
+static_assert(kt::kPairRows == 3, "gemm_block_pair_avx2 has tiles for 1..3 rows");
+void gemm_block_pair_avx2(int M, const bf16* A0, const bf16* A1, int64_t lda, const bf16* block0, const bf16* block1,
+                          int kp, float* C0, float* C1, int64_t ldc) {
+  if (M > kt::kPairRows) {
+    gemm_block_avx2(M, A0, lda, block0, kp, C0, ldc);
+    gemm_block_avx2(M, A1, lda, block1, kp, C1, ldc);
+    return;
+  }
+  if (M <= 0) return;
+  alignas(32) float buf[2][kt::kPairRows * kKC];
+  for (int k0 = 0; k0 < kp; k0 += kKC) {
+    const int kc = std::min(kKC, kp - k0);
+    rows_to_f32(M, A0 + k0, lda, kc, buf[0]);
+    if (A1 != A0) rows_to_f32(M, A1 + k0, lda, kc, buf[1]);  // gate/up share their input rows
+    const float* const a[2] = {buf[0], A1 != A0 ? buf[1] : buf[0]};
+    const bf16* const b[2] = {block0 + static_cast<int64_t>(k0) * kBlockN, block1 + static_cast<int64_t>(k0) * kBlockN};
+    float* const c[2] = {C0, C1};
+    switch (M) {
+      case 1: gemm_chunk<1, 2, 4>(a, kc, b, c, ldc, k0 == 0, true); break;
+      case 2: gemm_chunk<2, 2, 2>(a, kc, b, c, ldc, k0 == 0, true); break;
+      default: gemm_chunk<3, 2, 1>(a, kc, b, c, ldc, k0 == 0, true); break;
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------ LoRA
+
+// T[m][j] = Σ_k X[m][k] A[j][k]: four A rows at a time share each load of X (a rank not a multiple of 4 repeats
+// its last row in the spare lanes, results dropped).
+template <typename TX>
+void lora_a_avx2(int M, const TX* X, int64_t ldx, const bf16* A, int r, int K, float* T, int64_t ldt) {
+  for (int m = 0; m < M; ++m) {
+    const TX* x = X + m * ldx;
+    for (int j = 0; j < r; j += 4) {
+      const bf16* ar[4];
+      for (int q = 0; q < 4; ++q) ar[q] = A + static_cast<int64_t>(std::min(j + q, r - 1)) * K;
+      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      auto step = [&](int k, int n) {
+        const __m256 xv = load8(x + k, n);
+        for (int q = 0; q < 4; ++q) acc[q] = _mm256_fmadd_ps(xv, load8(ar[q] + k, n), acc[q]);
+      };
+      int k = 0;
+      for (; k + 8 <= K; k += 8) step(k, 8);
+      if (k < K) step(k, K - k);
+      for (int q = 0; q < 4 && j + q < r; ++q) T[m * ldt + j + q] = hsum(acc[q]);
+    }
+  }
+}
+
+void lora_a_bf16_avx2(int M, const bf16* X, int64_t ldx, const bf16* A, int r, int K, float* T, int64_t ldt) {
+  lora_a_avx2<bf16>(M, X, ldx, A, r, K, T, ldt);
+}
+void lora_a_f32_avx2(int M, const float* X, int64_t ldx, const bf16* A, int r, int K, float* T, int64_t ldt) {
+  lora_a_avx2<float>(M, X, ldx, A, r, K, T, ldt);
+}
+
+// NG groups of 8 columns of one output row (n columns valid): c += Σ_j (s·t[j]) · BT[j] in j order, as the
+// reference does. A full 64-column tile keeps 8 independent FMA chains in flight.
+template <int NG>
+inline void lora_b_cols(int r, const float* t, float s, const bf16* BT, int64_t ldb, int n, float* c) {
+  __m256 acc[NG];
+  for (int g = 0; g < NG; ++g) acc[g] = load8(c + 8 * g, n - 8 * g);
+  for (int j = 0; j < r; ++j) {
+    const __m256 tv = _mm256_set1_ps(s * t[j]);
+    for (int g = 0; g < NG; ++g) acc[g] = _mm256_fmadd_ps(tv, load8(BT + j * ldb + 8 * g, n - 8 * g), acc[g]);
+  }
+  for (int g = 0; g < NG; ++g) store8(c + 8 * g, acc[g], n - 8 * g);
+}
+
+void lora_b_add_avx2(int M, const float* T, int64_t ldt, int r, const bf16* BT, int64_t ldb, int nc, float s, float* C,
+                     int64_t ldc) {
+  for (int m = 0; m < M; ++m) {
+    int c0 = 0;
+    for (; c0 + 64 <= nc; c0 += 64) lora_b_cols<8>(r, T + m * ldt, s, BT + c0, ldb, 64, C + m * ldc + c0);
+    for (; c0 < nc; c0 += 8) lora_b_cols<1>(r, T + m * ldt, s, BT + c0, ldb, nc - c0, C + m * ldc + c0);
+  }
+}
+
+// JR rows of G × NG groups of 8 columns (n valid): G[j] += Σ_m (s·Q[m][j]) · X[m] in m order, as the reference
+// does; each converted X vector feeds JR FMAs.
+template <int JR, int NG, typename TX>
+inline void outer_cols(int M, const float* Q, int64_t ldq, const TX* X, int64_t ldx, int n, float s, float* G,
+                       int64_t ldg) {
+  __m256 acc[JR][NG];
+  for (int j = 0; j < JR; ++j)
+    for (int g = 0; g < NG; ++g) acc[j][g] = load8(G + j * ldg + 8 * g, n - 8 * g);
+  for (int m = 0; m < M; ++m) {
+    __m256 xv[NG];
+    for (int g = 0; g < NG; ++g) xv[g] = load8(X + m * ldx + 8 * g, n - 8 * g);
+    for (int j = 0; j < JR; ++j) {
+      const __m256 q = _mm256_set1_ps(s * Q[m * ldq + j]);
+      for (int g = 0; g < NG; ++g) acc[j][g] = _mm256_fmadd_ps(q, xv[g], acc[j][g]);
+    }
+  }
+  for (int j = 0; j < JR; ++j)
+    for (int g = 0; g < NG; ++g) store8(G + j * ldg + 8 * g, acc[j][g], n - 8 * g);
+}
+
+template <int JR, typename TX>
+inline void outer_rows(int M, const float* Q, int64_t ldq, const TX* X, int64_t ldx, int nk, float s, float* G,
+                       int64_t ldg) {
+  int k = 0;
+  for (; k + 32 <= nk; k += 32) outer_cols<JR, 4>(M, Q, ldq, X + k, ldx, 32, s, G + k, ldg);
+  for (; k < nk; k += 8) outer_cols<JR, 1>(M, Q, ldq, X + k, ldx, nk - k, s, G + k, ldg);
+}
+
+template <typename TX>
+void outer_acc_avx2(int M, const float* Q, int64_t ldq, int r, const TX* X, int64_t ldx, int nk, float s, float* G,
+                    int64_t ldg) {
+  int j = 0;
+  for (; j + 2 <= r; j += 2) outer_rows<2>(M, Q + j, ldq, X, ldx, nk, s, G + j * ldg, ldg);
+  if (j < r) outer_rows<1>(M, Q + j, ldq, X, ldx, nk, s, G + j * ldg, ldg);
+}
+
+void outer_acc_bf16_avx2(int M, const float* Q, int64_t ldq, int r, const bf16* X, int64_t ldx, int nk, float s,
+                         float* G, int64_t ldg) {
+  outer_acc_avx2<bf16>(M, Q, ldq, r, X, ldx, nk, s, G, ldg);
+}
+void outer_acc_f32_avx2(int M, const float* Q, int64_t ldq, int r, const float* X, int64_t ldx, int nk, float s,
+                        float* G, int64_t ldg) {
+  outer_acc_avx2<float>(M, Q, ldq, r, X, ldx, nk, s, G, ldg);
+}
+
+// ------------------------------------------------------------------------------------------------ SwiGLU
+
+// e^x as the AVX-512 table computes it (same clamp, reduction and polynomial; rel. error ~2e-7). 2^n is built
+// in the exponent field: n in [-126, 127] after the clamp, always a normal float.
+inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.f)), _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline __m256 sigmoid256(__m256 g) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  return _mm256_div_ps(one, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+}
+
+void swiglu_avx2(int n, const float* g, const float* u, bf16* h) {
+  for (int c = 0; c < n; c += 8) {
+    const __m256 gv = load8(g + c, n - c), uv = load8(u + c, n - c);
+    store_bf16x8(h + c, _mm256_mul_ps(_mm256_mul_ps(gv, sigmoid256(gv)), uv), n - c);
+  }
+}
+
+float swiglu_backward_avx2(int n, float w, const float* q, const bf16* h, float* g, float* u, bf16* dg16, bf16* du16) {
+  __m256 dot = _mm256_setzero_ps();
+  const __m256 wv = _mm256_set1_ps(w), one = _mm256_set1_ps(1.f);
+  for (int c = 0; c < n; c += 8) {
+    const int left = n - c;
+    const __m256 qv = load8(q + c, left), gv = load8(g + c, left), uv = load8(u + c, left);
+    dot = _mm256_fmadd_ps(qv, load8(h + c, left), dot);
+    const __m256 dh = _mm256_mul_ps(wv, qv), sg = sigmoid256(gv), silu = _mm256_mul_ps(gv, sg);
+    const __m256 du = _mm256_mul_ps(dh, silu);
+    const __m256 dsilu = _mm256_mul_ps(sg, _mm256_fmadd_ps(gv, _mm256_sub_ps(one, sg), one));
+    const __m256 dg = _mm256_mul_ps(_mm256_mul_ps(dh, uv), dsilu);
+    store8(g + c, dg, left);
+    store8(u + c, du, left);
+    store_bf16x8(dg16 + c, dg, left);
+    store_bf16x8(du16 + c, du, left);
+  }
+  return hsum(dot);
+}
+
+}  // namespace
+
+namespace kt {
+
+const Kernels* kernels_avx2() {
+  static const Kernels k{"avx2",             gemm_block_avx2,     gemm_block_pair_avx2, lora_a_bf16_avx2,
+                         lora_a_f32_avx2,    lora_b_add_avx2,     outer_acc_bf16_avx2,  outer_acc_f32_avx2,
+                         swiglu_avx2,        swiglu_backward_avx2};
+  return &k;
+}
+
+}  // namespace kt
