@@ -24,7 +24,7 @@ CPU_ACTIVATION = ("retain", "recompute")
 NO_EFFECT = "no_effect"  # field metadata: why the field, when given, changes nothing here
 # KT's kt_backend names -> the kernel ISA table they ask for. KT's quantized backends need the quantized formats.
 KT_BACKENDS = {"auto": "auto", "amxbf16": "amx_bf16", "amx_bf16": "amx_bf16", "avx512": "avx512_bf16",
-               "avx512bf16": "avx512_bf16", "avx512_bf16": "avx512_bf16", "portable": "portable"}
+               "avx512bf16": "avx512_bf16", "avx512_bf16": "avx512_bf16", "avx2": "avx2", "portable": "portable"}
 EXPERT_WEIGHT_FORMATS = ("bf16",)
 
 
@@ -45,7 +45,7 @@ class KTConfig:
     )
     # KTransformers' names (the cookbook's kt_config block)
     kt_num_threads: int | None = field(default=None, metadata={"help": "KT's name for `threads`."})
-    kt_backend: str = field(default="auto", metadata={"help": "auto, AMXBF16 or AVX512 (the kernel's ISA table)."})
+    kt_backend: str = field(default="auto", metadata={"help": "auto, AMXBF16, AVX512 or AVX2 (the kernel's ISA table)."})
     kt_expert_weight_format: str = field(default="bf16", metadata={"help": "Routed-expert weight format in the kernel."})
     kt_model_max_length: int | None = field(
         default=None, metadata={"help": "Tokens per sequence the kernel must take (default cutoff_len); > cutoff_len."})
@@ -69,8 +69,8 @@ class KTConfig:
                                   f"({self.kt_num_threads}) contradict each other; give one")
             self.threads = self.kt_num_threads
         if self.kt_backend.lower() not in KT_BACKENDS:
-            raise ConfigError(f"kt_config.kt_backend: {self.kt_backend!r} is not available here; expected auto, AMXBF16 "
-                              "or AVX512 (the quantized backends AMXINT8/AMXINT4/FP8/LLAMAFILE need expert weight "
+            raise ConfigError(f"kt_config.kt_backend: {self.kt_backend!r} is not available here; expected auto, AMXBF16, "
+                              "AVX512 or AVX2 (the quantized backends AMXINT8/AMXINT4/FP8/LLAMAFILE need expert weight "
                               "formats the kernel does not hold yet)")
         if self.kt_expert_weight_format.lower() not in EXPERT_WEIGHT_FORMATS:
             raise ConfigError(f"kt_config.kt_expert_weight_format: {self.kt_expert_weight_format!r} is not supported; "
