@@ -1,10 +1,19 @@
 """Serving benchmark: decode tok/s and peak server RSS, kt_serve plugin vs SGLang's own CPU MoE path, one run.
 
-    python evals/bench_serving.py [--out DIR] [--hidden 1024 --moe-intermediate 512 --experts 64 --top-k 8 --layers 8]
-                                  [--tokens 64] [--streams 1 8]
+    python evals/bench_serving.py [--out DIR] [--preset small|qwen3-30b-a3b] [--layers N] [--tokens 64] [--streams 1 8]
+                                  [--hidden H --moe-intermediate I --experts E --top-k K --vocab V]
+
+Presets (single flags override them):
+  small          hidden 1024, moe_intermediate 512, 64 experts top-8, 8 layers, 4 heads: Python and per-op
+                 overhead weigh as much as weights (the overhead-sensitive row set)
+  qwen3-30b-a3b  Qwen3-30B-A3B's exact layer shapes (hidden 2048, 32 q / 4 kv heads of 128, 128 experts top-8,
+                 moe_intermediate 768) with 4 layers and a 16k vocabulary, so lm_head keeps about its share of the
+                 bytes per token of the 48-layer model and weight streaming dominates as in the real one. Its
+                 servers (about 5 GiB each) run one at a time (--sequential) to fit a 24 GiB machine.
 
 Rows (one server each, same random model; all started first, then measured in turns: every stream count, row
-after row, --repeats times, the median run kept, so a slow drift of the machine hits every row alike):
+after row, --repeats times, the median run kept, so a slow drift of the machine hits every row alike; with
+--sequential each row's server runs alone, measured --repeats times, then stopped):
   sglang        SGLang without our plugin (SGLANG_PLUGINS excludes it): its per-expert torch loop
   kt base       routed experts in the kt_serve kernel, no adapter
   kt expert     ... with --kt-expert-lora-path (every request gets the expert LoRA)
@@ -184,26 +193,43 @@ def moe_layer_bench(a, rounds: int = 5) -> list[dict]:
     return rows
 
 
+# name: model shape (attention as (q heads, kv heads, head dim); None: the tiny model's 4 / 2 of hidden/4), and
+# whether its servers must run one at a time.
+PRESETS = {
+    "small": dict(hidden=1024, moe_intermediate=512, experts=64, top_k=8, layers=8, vocab=1024, heads=None,
+                  sequential=False),
+    "qwen3-30b-a3b": dict(hidden=2048, moe_intermediate=768, experts=128, top_k=8, layers=4, vocab=16384,
+                          heads=(32, 4, 128), sequential=True),
+}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--moe-intermediate", type=int, default=512)
-    ap.add_argument("--experts", type=int, default=64)
-    ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--preset", choices=list(PRESETS), default="small")
+    for flag in ("hidden", "moe-intermediate", "experts", "top-k", "layers", "vocab"):
+        ap.add_argument(f"--{flag}", type=int, default=None, help="default: the preset's")
+    ap.add_argument("--sequential", action=argparse.BooleanOptionalAction, default=None,
+                    help="one server at a time (default: the preset's)")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--repeats", type=int, default=3, help="turns of every row at every stream count (median kept)")
     ap.add_argument("--rows", nargs="+", default=["sglang", "kt base", "kt expert", "kt mixed"])
     ap.add_argument("--moe-only", action="store_true", help="only the in-process MoE-layer comparison")
     a = ap.parse_args(argv)
+    preset = PRESETS[a.preset]
+    for key, value in preset.items():
+        if getattr(a, key, None) is None:
+            setattr(a, key, value)
     out = Path(a.out or tempfile.mkdtemp(prefix="kt_bench_"))
     moe_rows = moe_layer_bench(a)
     if a.moe_only:
         return
+    attention = {} if a.heads is None else dict(num_attention_heads=a.heads[0], num_key_value_heads=a.heads[1],
+                                                  head_dim=a.heads[2])
     model = str(build_tiny_moe(out / "model", "qwen3_moe", hidden_size=a.hidden, moe_intermediate_size=a.moe_intermediate,
-                               num_experts=a.experts, top_k=a.top_k, num_layers=a.layers))
+                               num_experts=a.experts, top_k=a.top_k, num_layers=a.layers, vocab_size=a.vocab,
+                               **attention))
     expert = write_expert_peft_adapter(out / "expert", model, seed=1, rank=8, alpha=16.0)
     comp_a = write_kt_adapter(out / "a", model, seed=2, rank=8, alpha=16.0)
     comp_b = write_kt_adapter(out / "b", model, seed=3, rank=8, alpha=16.0)
@@ -214,25 +240,32 @@ def main(argv=None):
         "kt expert": (["--kt-expert-lora-path", str(expert)], {}, [model]),
         "kt mixed": (lora + ["--lora-paths", f"a={comp_a}", f"b={comp_b}"], {}, [model, f"{model}:a", f"{model}:b"]),
     }
+    def measure(names: list[str]) -> dict:
+        """The servers of ``names`` up together (idle ones sleep, --sleep-on-idle), measured in turns."""
+        measured = {}
+        with contextlib.ExitStack() as stack:
+            servers = {}
+            for name in names:
+                args, env, models = rows[name]
+                server = stack.enter_context(SGLangServer(
+                    model, args + ["--max-running-requests", str(max(a.streams)), "--sleep-on-idle"], env=env,
+                    max_total_tokens=8192, log_path=out / f"{name.replace(' ', '_')}.log"))
+                servers[name] = (server, models, PeakRSS(server.proc.pid))
+            runs = {name: {s: [] for s in a.streams} for name in servers}
+            for _ in range(a.repeats):  # rows take turns, so a slow drift of the machine hits every row alike
+                for s in a.streams:
+                    for name, (server, models, _) in servers.items():
+                        runs[name][s].append(decode_run(server, models, s, a.tokens))
+            for name, (_, _, rss) in servers.items():
+                median = {s: sorted(v, key=lambda r: r["tok_s"])[len(v) // 2] for s, v in runs[name].items()}
+                measured[name] = (median, rss.stop())
+                print(f"{name}: " + ", ".join(f"{s} streams {r['tok_s']:.1f} tok/s" for s, r in median.items()) +
+                      f", peak RSS {measured[name][1] / 2**30:.2f} GiB", flush=True)
+        return measured
+
     results = {}
-    with contextlib.ExitStack() as stack:
-        servers = {}
-        for name in a.rows:  # all up at once; idle ones sleep (--sleep-on-idle) while another is measured
-            args, env, models = rows[name]
-            server = stack.enter_context(SGLangServer(
-                model, args + ["--max-running-requests", str(max(a.streams)), "--sleep-on-idle"], env=env,
-                max_total_tokens=8192, log_path=out / f"{name.replace(' ', '_')}.log"))
-            servers[name] = (server, models, PeakRSS(server.proc.pid))
-        runs = {name: {s: [] for s in a.streams} for name in servers}
-        for _ in range(a.repeats):  # rows take turns, so a slow drift of the machine hits every row alike
-            for s in a.streams:
-                for name, (server, models, _) in servers.items():
-                    runs[name][s].append(decode_run(server, models, s, a.tokens))
-        for name, (_, _, rss) in servers.items():
-            median = {s: sorted(v, key=lambda r: r["tok_s"])[len(v) // 2] for s, v in runs[name].items()}
-            results[name] = (median, rss.stop())
-            print(f"{name}: " + ", ".join(f"{s} streams {r['tok_s']:.1f} tok/s" for s, r in median.items()) +
-                  f", peak RSS {results[name][1] / 2**30:.2f} GiB", flush=True)
+    for group in ([[name] for name in a.rows] if a.sequential else [a.rows]):
+        results.update(measure(group))
 
     rows = []
     for name, (runs, rss) in results.items():
@@ -245,8 +278,10 @@ def main(argv=None):
                          "lat_p50_s": round(r["lat_p50_s"], 3), "lat_p99_s": round(r["lat_p99_s"], 3),
                          "ms_per_tok_p50": round(r["ms_per_tok_p50"], 2), "ms_per_tok_p99": round(r["ms_per_tok_p99"], 2),
                          "peak_rss_gib": round(rss / 2**30, 2)})
-    desc = (f"model: hidden {a.hidden}, moe_intermediate {a.moe_intermediate}, {a.experts} experts top-{a.top_k}, "
-            f"{a.layers} layers; {a.tokens} tokens per stream; {os.cpu_count()} CPUs")
+    heads = "4 q / 2 kv heads" if a.heads is None else f"{a.heads[0]} q / {a.heads[1]} kv heads of {a.heads[2]}"
+    desc = (f"preset {a.preset}: hidden {a.hidden}, {heads}, moe_intermediate {a.moe_intermediate}, {a.experts} experts "
+            f"top-{a.top_k}, {a.layers} layers, vocab {a.vocab}; {a.tokens} tokens per stream; {os.cpu_count()} CPUs; "
+            f"servers {'one at a time' if a.sequential else 'side by side, measured in turns'}")
     print("\n" + desc)
     keys = list(rows[0])
     print("| " + " | ".join(keys) + " |")
