@@ -1,0 +1,117 @@
+"""Where a CPU decode step goes: py-spy samples an SGLang server's scheduler (stock SGLang + the kt_serve
+plugin) while N greedy streams decode, and the samples are grouped by the part of the step they are in.
+
+    python evals/profile_decode.py [--preset qwen3-30b-a3b|small] [--streams 1 8] [--seconds 15]
+                                   [--server-args ...]   # e.g. --server-args --kt-expert-lora-path DIR
+
+Needs py-spy (``pip install py-spy``; benchmarks only). The model is bench_serving.py's preset, built once under
+--out. Shares are of the scheduler's samples after prefill; "other" is Python and per-op dispatch outside the
+named parts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_serving import PRESETS, stream_prompt  # noqa: E402
+
+from kt_serve.server import SGLangServer  # noqa: E402
+from kt_serve.tiny_model import build_tiny_moe  # noqa: E402
+
+PY_SPY = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
+# Part of the step -> frame names (py-spy's function names) whose inclusive samples it takes, first match wins.
+PARTS = [
+    ("routed experts (kt kernel)", ("MoEExperts.forward_sft",)),
+    ("routed experts (SGLang)", ("moe_forward_native", "fused_experts")),
+    ("lm_head", ("LogitsProcessor._compute_lm_head",)),
+    ("dense linears (q/k/v/o, gate, shared)", ("UnquantizedLinearMethod.apply",)),
+    ("attention", ("TorchNativeAttnBackend.forward_decode", "TorchNativeAttnBackend.forward_extend")),
+    ("norms", ("RMSNorm.forward_native", "apply_qk_norm")),
+    ("rotary", ("apply_rotary_emb", "RotaryEmbedding.forward_native")),
+    ("router top-k", ("select_experts",)),
+    ("KV cache write", ("_set_kv_buffer_impl",)),
+    ("sampling", ("Sampler.forward",)),
+]
+
+
+def part_of(frames: list[str]) -> str:
+    for part, names in PARTS:
+        if any(name in frame for frame in frames for name in names):
+            return part
+    return "other"
+
+
+def profile(model: str, streams: int, seconds: int, server_args: list[str], log: Path) -> collections.Counter:
+    import psutil
+
+    with SGLangServer(model, ["--max-running-requests", str(max(streams, 1)), *server_args], max_total_tokens=8192,
+                      log_path=log) as server:
+        body = lambda i: {"model": model, "prompt": stream_prompt(i), "max_tokens": 256,  # noqa: E731
+                          "temperature": 0, "ignore_eos": True}
+        server.post("/v1/completions", {**body(0), "max_tokens": 4}, timeout=600)  # warm-up
+        scheduler = max(psutil.Process(server.proc.pid).children(recursive=True), key=lambda p: p.memory_info().rss)
+        stop = threading.Event()
+
+        def traffic():
+            with concurrent.futures.ThreadPoolExecutor(streams) as pool:
+                while not stop.is_set():
+                    list(pool.map(lambda i: server.post("/v1/completions", body(i), timeout=600), range(streams)))
+
+        thread = threading.Thread(target=traffic)
+        thread.start()
+        time.sleep(3)  # past the prompts' prefill
+        with tempfile.NamedTemporaryFile(suffix=".txt") as raw:
+            subprocess.run([PY_SPY, "record", "--pid", str(scheduler.pid), "--duration", str(seconds), "--rate", "200",
+                            "--format", "raw", "--output", raw.name, "--nonblocking"], check=True,
+                           capture_output=True)
+            lines = Path(raw.name).read_text().splitlines()
+        stop.set()
+        thread.join()
+    counts = collections.Counter()
+    for line in lines:
+        stack, _, n = line.rpartition(" ")
+        counts[part_of(stack.split(";"))] += int(n)
+    return counts
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", choices=list(PRESETS), default="qwen3-30b-a3b")
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--seconds", type=int, default=15)
+    ap.add_argument("--out", default=None, help="where the model is built (reused when present)")
+    ap.add_argument("--server-args", nargs=argparse.REMAINDER, default=[])
+    a = ap.parse_args(argv)
+    if PY_SPY is None:
+        raise SystemExit("py-spy is not installed: pip install py-spy (a benchmark-only tool)")
+    p = PRESETS[a.preset]
+    out = Path(a.out or tempfile.mkdtemp(prefix="kt_profile_"))
+    model = out / "model"
+    if not (model / "config.json").is_file():
+        attention = {} if p["heads"] is None else dict(num_attention_heads=p["heads"][0],
+                                                      num_key_value_heads=p["heads"][1], head_dim=p["heads"][2])
+        build_tiny_moe(model, "qwen3_moe", hidden_size=p["hidden"], moe_intermediate_size=p["moe_intermediate"],
+                       num_experts=p["experts"], top_k=p["top_k"], num_layers=p["layers"], vocab_size=p["vocab"],
+                       **attention)
+    shares = {s: profile(str(model), s, a.seconds, a.server_args, out / f"server_{s}.log") for s in a.streams}
+    print(f"\npreset {a.preset}; server args {' '.join(a.server_args) or '(none)'}; py-spy, {a.seconds} s per row")
+    print("| part of the decode step | " + " | ".join(f"{s} stream{'s' * (s > 1)}" for s in a.streams) + " |")
+    print("|---|" + "---|" * len(a.streams))
+    for part in [name for name, _ in PARTS] + ["other"]:
+        cells = [f"{100 * shares[s][part] / max(sum(shares[s].values()), 1):.1f}%" for s in a.streams]
+        if any(c != "0.0%" for c in cells):
+            print(f"| {part} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
