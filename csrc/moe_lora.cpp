@@ -28,6 +28,8 @@ constexpr size_t kHuge = size_t(2) << 20;
 // the memory back to the OS at once (malloc would keep it, and a checkpointed layer's saved state would then
 // stay resident after its backward). Returns the rounded-up size.
 void* alloc_zeroed(size_t& bytes) {
+  // Rounded first, so that free_zeroed, which sees only the rounded size, tells the two kinds apart the same way.
+  bytes = static_cast<size_t>(round_up(static_cast<int64_t>(bytes), 64));
 #if defined(__linux__)
   if (bytes >= kHuge) {
     bytes = static_cast<size_t>(round_up(static_cast<int64_t>(bytes), static_cast<int64_t>(kHuge)));
@@ -44,7 +46,6 @@ void* alloc_zeroed(size_t& bytes) {
     return reinterpret_cast<void*>(aligned);  // anonymous pages read as zero
   }
 #endif
-  bytes = static_cast<size_t>(round_up(static_cast<int64_t>(bytes), 64));
   void* p = std::aligned_alloc(64, bytes);
   if (!p) throw std::bad_alloc();
   std::memset(p, 0, bytes);

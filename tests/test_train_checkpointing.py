@@ -173,3 +173,24 @@ def test_checkpointed_experts_whose_output_is_saved_downstream(retain):
     plain, checkpointed = grads(False), grads(True)
     for a, b in zip(checkpointed, plain):
         assert rel(a, b) < 1e-6
+
+
+def test_lora_dropout_reaches_every_linear_lora_and_says_the_routers_have_none(models, dataset_dir, tmp_path,
+                                                                              caplog):
+    import logging
+
+    from peft.tuners.lora.layer import Linear as LoraLinear
+    from peft.tuners.lora.layer import ParamWrapper
+
+    with caplog.at_level(logging.INFO):
+        trainer = load(config(models["qwen3_moe"], tmp_path / "o", dataset_dir, "lora_dropout=0.15"))
+    modules = list(trainer.tm.model.modules())
+    linear = [m for m in modules if isinstance(m, LoraLinear)]
+    routers = [m for m in modules if isinstance(m, ParamWrapper)]
+    assert linear and routers
+    for m in linear:
+        assert all(isinstance(d, torch.nn.Dropout) and d.p == 0.15 for d in m.lora_dropout.values())
+    for m in routers:
+        assert not any(isinstance(d, torch.nn.Dropout) for d in m.lora_dropout.values())
+    assert all(k.dropout == 0.15 for k in trainer.tm.kernels.values())
+    assert "lora_dropout 0.15 applies to every LoRA except the routers'" in caplog.text

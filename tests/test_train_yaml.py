@@ -188,3 +188,30 @@ def test_tokenized_cache_overwrite_cache_and_preprocessing_workers(tmp_path, cap
     assert parallel == first
     fewer, log = build("max_samples=10")  # other data: another cache entry
     assert "loaded from the cache" not in log and fewer == first[:10]
+
+
+def test_tokenized_cache_failures_only_warn(tmp_path, caplog, monkeypatch):
+    from kt_serve.tiny_model import build_tokenizer
+    from kt_serve.train import data_cache
+    from kt_serve.train.data import SFTDataset
+
+    tokenizer = build_tokenizer(1000)
+    data = write_datasets(tmp_path / "data", {"d": 3})
+    cfg = load_config(None, [*(f"{k}={v}" for k, v in REQUIRED.items()), f"dataset_dir={data}", "template=qwen",
+                             "cutoff_len=64"])
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("")  # the cache root is a file: the entry cannot be written
+    monkeypatch.setenv("KT_SERVE_CACHE", str(blocked))
+    with caplog.at_level(logging.INFO):
+        reference = [e.input_ids for e in SFTDataset.build(cfg, tokenizer).examples]
+    assert "cannot write the tokenized-dataset cache" in caplog.text and len(reference) == 3
+
+    monkeypatch.setenv("KT_SERVE_CACHE", str(tmp_path / "cache"))
+    SFTDataset.build(cfg, tokenizer)
+    (entry,) = data_cache.cache_dir().glob("*.json")
+    entry.write_text("{truncated")  # e.g. a disk that filled up under another writer
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        rebuilt = [e.input_ids for e in SFTDataset.build(cfg, tokenizer).examples]
+    assert "is unreadable; tokenizing anew" in caplog.text and rebuilt == reference
+    assert [p.name for p in data_cache.cache_dir().iterdir()] == [entry.name]  # rewritten, no temp file left

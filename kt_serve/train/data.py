@@ -174,8 +174,9 @@ def pack_examples(examples: list[Example], capacity: int) -> list[Example]:
             i = remaining.pop(j)
             room -= lengths.pop(j)
             chosen.append(examples[i])
-        rows.append(Example(sum((e.input_ids for e in chosen), []), sum((e.labels for e in chosen), []),
-                            [len(e.input_ids) for e in chosen]))
+        # An example's first token is not predicted from the example before it.
+        labels = [label for e in chosen for label in [IGNORE_INDEX, *e.labels[1:]]]
+        rows.append(Example(sum((e.input_ids for e in chosen), []), labels, [len(e.input_ids) for e in chosen]))
     return rows
 
 
@@ -263,18 +264,15 @@ class SFTDataset:
         width = max(len(e.input_ids) for e in batch)
         input_ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
         labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)
-        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
-        position_ids = torch.zeros((len(batch), width), dtype=torch.long)
         for row, e in enumerate(batch):
-            n = len(e.input_ids)
-            input_ids[row, :n] = torch.tensor(e.input_ids)
-            labels[row, :n] = torch.tensor(e.labels)
-            attention_mask[row, :n] = 1
-            position_ids[row] = torch.cat([torch.arange(m) for m in e.lengths + [width - n]])
-            starts = torch.tensor(e.lengths[:-1]).cumsum(0) if len(e.lengths) > 1 else torch.tensor([], dtype=torch.long)
-            labels[row, starts] = IGNORE_INDEX  # an example's first token is not predicted from the one before it
+            input_ids[row, : len(e.input_ids)] = torch.tensor(e.input_ids)
+            labels[row, : len(e.labels)] = torch.tensor(e.labels)
         if self.packed:
+            position_ids = torch.stack([torch.cat([torch.arange(m) for m in e.lengths + [width - len(e.input_ids)]])
+                                        for e in batch])
             return {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}
+        lengths = torch.tensor([len(e.input_ids) for e in batch])
+        attention_mask = (torch.arange(width) < lengths[:, None]).long()
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 

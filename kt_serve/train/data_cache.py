@@ -58,12 +58,16 @@ def load_or_build(key: str, build: Callable[[], list[dict]], *, overwrite: bool)
         except (OSError, json.JSONDecodeError):
             logger.warning("tokenized-dataset cache %s is unreadable; tokenizing anew", path)
     records = build()
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+            tmp = f.name
             json.dump(records, f)
-        os.replace(f.name, path)  # readers never see a half-written entry
+        os.replace(tmp, path)  # readers never see a half-written entry
         logger.info("tokenized dataset cached at %s", path)
-    except OSError as exc:  # a read-only home is no reason to fail training
+    except OSError as exc:  # a read-only home or a full disk is no reason to fail training
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         logger.warning("cannot write the tokenized-dataset cache %s (%s); continuing without it", path, exc)
     return records

@@ -165,8 +165,9 @@ def _set_linear_lora_dropout(model: nn.Module, p: float) -> None:
         if isinstance(module, LoraLinear):
             for name in module.lora_dropout:
                 module.lora_dropout[name] = nn.Dropout(p)
-    logger.info("lora_dropout %.3g applies to every LoRA but the routers' (a LoRA on the router weight cannot "
-                "take dropout in PEFT); leave `gate` out of lora_target to train none without it", p)
+    logger.info("lora_dropout %.3g applies to every LoRA except the routers' (PEFT cannot drop the input of a "
+                "LoRA on the router weight); name lora_target without `gate` to leave the routers untrained instead",
+                p)
 
 
 class TrainModel:

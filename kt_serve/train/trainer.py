@@ -41,19 +41,6 @@ class OutputDirError(ValueError):
     pass
 
 
-class _IndexDataset:
-    """Index i -> i: the DataLoader's collate_fn (SFTDataset.collate) turns a micro-batch's indices into tensors."""
-
-    def __init__(self, n: int):
-        self.n = n
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        return i
-
-
 def _inside(path: Path, other: Path) -> bool:
     return path == other or other in path.parents
 
@@ -296,8 +283,9 @@ class Trainer:
         workers = self.cfg.dataloader_num_workers
         if workers == 0:
             return (self.dataset.collate(indices) for indices in micro_batches)
-        return DataLoader(_IndexDataset(len(self.dataset)), batch_sampler=micro_batches,
-                          collate_fn=self.dataset.collate, num_workers=workers)
+        # range(n) maps index i to i: the collate_fn turns a micro-batch's indices into tensors.
+        return DataLoader(range(len(self.dataset)), batch_sampler=micro_batches, collate_fn=self.dataset.collate,
+                          num_workers=workers)
 
     def export(self) -> None:
         """The final adapter into output_dir (next to checkpoints and logs): staged, then moved file by file with
