@@ -25,15 +25,35 @@ PYBIND11_MODULE(_kernel, m) {
 
   py::class_<kt::MoELoRA>(m, "MoELoRA")
       .def(py::init([](int E, int H, int I, uintptr_t gate, int64_t gate_es, uintptr_t up, int64_t up_es,
-                       uintptr_t down, int64_t down_es, int max_tokens, int max_slots, const std::string& isa) {
+                       uintptr_t down, int64_t down_es, int max_tokens, int max_slots, const std::string& isa,
+                       const std::string& format, int group, bool fp8, uintptr_t gate_s, int64_t gate_ses,
+                       uintptr_t up_s, int64_t up_ses, uintptr_t down_s, int64_t down_ses, int block_n, int block_k) {
              const kt::Kernels& k = kt::select_kernels(isa.c_str());
+             const kt::Format f = kt::parse_format(format);
+             kt::ExpertWeights w;
+             w.fp8 = fp8;
+             w.gate = ptr<const void>(gate), w.up = ptr<const void>(up), w.down = ptr<const void>(down);
+             w.gate_estride = gate_es, w.up_estride = up_es, w.down_estride = down_es;
+             w.gate_scale = ptr<const float>(gate_s), w.up_scale = ptr<const float>(up_s);
+             w.down_scale = ptr<const float>(down_s);
+             w.gate_sstride = gate_ses, w.up_sstride = up_ses, w.down_sstride = down_ses;
+             w.block_n = block_n, w.block_k = block_k;
              py::gil_scoped_release nogil;
-             return new kt::MoELoRA(E, H, I, ptr<const bf16>(gate), gate_es, ptr<const bf16>(up), up_es,
-                                    ptr<const bf16>(down), down_es, max_tokens, max_slots, k);
+             return new kt::MoELoRA(E, H, I, w, f, group, max_tokens, max_slots, k);
            }),
            py::arg("num_experts"), py::arg("hidden"), py::arg("intermediate"), py::arg("gate"), py::arg("gate_estride"),
            py::arg("up"), py::arg("up_estride"), py::arg("down"), py::arg("down_estride"), py::arg("max_tokens"),
-           py::arg("max_slots"), py::arg("isa") = "auto")
+           py::arg("max_slots"), py::arg("isa") = "auto", py::arg("format") = "bf16", py::arg("group") = 128,
+           py::arg("fp8") = false, py::arg("gate_scale") = 0, py::arg("gate_sstride") = 0, py::arg("up_scale") = 0,
+           py::arg("up_sstride") = 0, py::arg("down_scale") = 0, py::arg("down_sstride") = 0, py::arg("block_n") = 128,
+           py::arg("block_k") = 128)
+      .def_property_readonly("format", [](const kt::MoELoRA& s) { return std::string(kt::format_name(s.format())); })
+      .def_property_readonly("weight_bytes", &kt::MoELoRA::weight_bytes)
+      .def("dequantize",
+           [](const kt::MoELoRA& s, int proj, uintptr_t out) {
+             py::gil_scoped_release nogil;
+             s.dequantize(proj, ptr<float>(out));
+           })
       .def_property_readonly("isa", &kt::MoELoRA::isa)
       .def_property_readonly("num_experts", &kt::MoELoRA::num_experts)
       .def_property_readonly("hidden", &kt::MoELoRA::hidden)

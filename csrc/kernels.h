@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "weight_format.h"
+
 namespace kt {
 
 using bf16 = uint16_t;
@@ -67,6 +69,15 @@ struct Kernels {
   // Its backward for one row, in place: with dh = w · q, g ← dg = dh · u · silu'(g), u ← du = dh · silu(g); also
   // writes bf16 copies of dg and du. Returns Σ q[c] · h[c] (this row's share of the routing-weight gradient).
   float (*swiglu_backward)(int n, float w, const float* q, const bf16* h, float* g, float* u, bf16* dg16, bf16* du16);
+
+  // Quantized blocks (weight_format.h: int8, int4, fp8), for the few rows of decode: the contract of gemm_block
+  // and gemm_block_pair with the block's scales applied, values decoded in registers. With many rows
+  // packed_weights.cpp decodes a block once (decode_rows) and runs gemm_block instead.
+  void (*qgemm_block)(int M, const bf16* A, int64_t lda, const Layout& l, Block b, float* C, int64_t ldc);
+  void (*qgemm_block_pair)(int M, const bf16* A0, const bf16* A1, int64_t lda, const Layout& l, Block b0, Block b1,
+                           float* C0, float* C1, int64_t ldc);
+  // Rows [kk0, kk1) of a quantized block as unscaled bf16 values (exact for every format) in the bf16 layout.
+  void (*decode_rows)(const Layout& l, const uint8_t* w, int kk0, int kk1, bf16* out);
 };
 
 const Kernels& kernels_portable();

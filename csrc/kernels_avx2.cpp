@@ -6,7 +6,7 @@
 
 #include <algorithm>
 
-#include "kernels.h"
+#include "kernels_generic.inc"
 
 namespace {
 
@@ -58,50 +58,87 @@ inline float hsum(__m256 v) {
 // ------------------------------------------------------------------------------------------------ packed GEMM
 
 // K is walked in chunks of kKC values: the chunk's A rows are converted to fp32 once (so a broadcast is one load)
-// and the chunk's 8 KiB of each block stays in L1 while the column passes and row groups go over it (with the
-// next chunk prefetched, two blocks take 32 KiB of L1).
+// and the chunk's rows of each block stay in L1 while the column passes and row groups go over it (with the
+// next chunk prefetched). Scale groups of the quantized formats are multiples of kKC, so a chunk has one scale.
 constexpr int kKC = 64;
 
 // Fixed-count loops over accumulators are unrolled before scalar replacement runs, or GCC keeps the accumulator
 // array in memory and stores it every K step.
 #define KT_UNROLL _Pragma("GCC unroll 16")
 
-// One column pass over a K chunk: MR rows × NC groups of 8 columns of NB blocks (1, or 2 streamed side by side).
-// a[n]: fp32 rows (stride kc) for block n, b[n]: the block at the chunk's first row and the pass's first column.
-// Per K pair each accumulator takes two FMAs (even-K, odd-K). Register budget (16 ymm): the accumulators, the
-// 0xffff0000 mask, and either the converted block values of one block (2·NC, with the broadcasts streamed; when
-// MR > NC) or the broadcasts of one block's rows (2·MR, with the block values streamed).
-template <int MR, int NB, int NC, bool kPrefetch>
-inline void gemm_pass(const float* const (&a)[NB], int kc, const bf16* const (&b)[NB], float* const (&c)[NB],
-                      int64_t ldc, bool first) {
+// Row decoders, one per weight format (weight_format.h): column group v (< 8) of one K-pair row of a block as
+// fp32, its even-K values in `even` and odd-K values in `odd` (8 columns each), exact.
+struct Bf16Row {
+  static constexpr int kRowBytes = 256;
+  static void split(const uint8_t* row, int v, __m256& even, __m256& odd) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * v));
+    even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+  }
+};
+struct Int8Row {  // 16 bytes sign-extended to one int16 each: even K in the low half of a 32-bit lane
+  static constexpr int kRowBytes = 128;
+  static void split(const uint8_t* row, int v, __m256& even, __m256& odd) {
+    const __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * v)));
+    even = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(x, 16), 16));
+    odd = _mm256_cvtepi32_ps(_mm256_srai_epi32(x, 16));
+  }
+};
+struct Fp8Row {  // e4m3 bits placed in an fp32 (value · 2^-120, subnormals exact), sign from the sign extension
+  static constexpr int kRowBytes = 128;
+  static void split(const uint8_t* row, int v, __m256& even, __m256& odd) {
+    const __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * v)));
+    const __m256i mask = _mm256_set1_epi32(static_cast<int>(0x87F00000u));
+    const __m256 scale = _mm256_set1_ps(0x1p120f);
+    even = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(x, 20), mask)), scale);
+    odd = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(x, 4), mask)), scale);
+  }
+};
+struct Int4Row {  // columns 8v.. are nibble v / 2 of words 16 (v % 2)..: one 32-byte load, shifts and masks
+  static constexpr int kRowBytes = 64;
+  static void split(const uint8_t* row, int v, __m256& even, __m256& odd) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * (v % 2)));
+    const __m256i nib = _mm256_set1_epi32(0xf);
+    const __m256 eight = _mm256_set1_ps(8.f);
+    const __m128i sh = _mm_cvtsi32_si128(4 * (v / 2)), sh16 = _mm_cvtsi32_si128(16 + 4 * (v / 2));
+    even = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(w, sh), nib)), eight);
+    odd = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(w, sh16), nib)), eight);
+  }
+};
+
+// One column pass over a K chunk: MR rows × NC groups of 8 columns (groups v0 .. v0 + NC) of NB blocks (1, or 2
+// streamed side by side). a[n]: fp32 rows (stride kc) for block n, b[n]: block n's first row of the chunk,
+// c[n]: its output at the pass's first column. Per K pair each accumulator takes two FMAs (even-K, odd-K).
+// Scaled (quantized) chunks accumulate from zero and add acc · s into C; bf16 ones continue C unless first.
+// Register budget (16 ymm): the accumulators, two decoder constants, and either the decoded block values of one
+// block (2·NC, with the broadcasts streamed; when MR > NC) or the broadcasts of one block's rows (2·MR).
+template <class D, int MR, int NB, int NC, bool kPrefetch>
+inline void gemm_pass(const float* const (&a)[NB], int kc, const uint8_t* const (&b)[NB], int v0,
+                      float* const (&c)[NB], const float* const (&s)[NB], int64_t ldc, bool first) {
   constexpr bool kHoldB = MR > NC;
   static_assert(MR * NB * NC + 2 * (kHoldB ? NC : MR) + 3 <= 16, "tile does not fit the 16 ymm registers");
+  constexpr int kLines = D::kRowBytes / 64, kPasses = 8 / NC;
+  const int l0 = (v0 / NC) * kLines / kPasses, l1 = (v0 / NC + 1) * kLines / kPasses;  // this pass's share
+  const bool carry = s[0] == nullptr && !first;
   __m256 acc[NB][MR][NC];
   KT_UNROLL
   for (int n = 0; n < NB; ++n)
     KT_UNROLL
     for (int m = 0; m < MR; ++m)
       KT_UNROLL
-      for (int v = 0; v < NC; ++v) acc[n][m][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c[n] + m * ldc + 8 * v);
-  const __m256i hi16 = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+      for (int v = 0; v < NC; ++v) acc[n][m][v] = carry ? _mm256_loadu_ps(c[n] + m * ldc + 8 * v) : _mm256_setzero_ps();
   for (int kk = 0; kk < kc / 2; ++kk) {
     KT_UNROLL
     for (int n = 0; n < NB; ++n) {
-      const bf16* row = b[n] + static_cast<int64_t>(kk) * kBlockN * 2;
-      if constexpr (kPrefetch)  // this pass's columns of the same row of the next chunk
-        KT_UNROLL
-        for (int l = 0; l < (NC + 1) / 2; ++l)
-          _mm_prefetch(reinterpret_cast<const char*>(row + kKC * kBlockN) + 64 * l, _MM_HINT_T0);
+      const uint8_t* row = b[n] + static_cast<int64_t>(kk) * D::kRowBytes;
+      if constexpr (kPrefetch)  // this pass's share of the same row of the next chunk
+        for (int l = l0; l < l1; ++l)
+          _mm_prefetch(reinterpret_cast<const char*>(row + kKC / 2 * D::kRowBytes) + 64 * l, _MM_HINT_T0);
       const float* ar = a[n] + 2 * kk;
-      auto split = [&](int v, __m256& even, __m256& odd) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * v));
-        even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-        odd = _mm256_castsi256_ps(_mm256_and_si256(w, hi16));
-      };
       if constexpr (kHoldB) {
         __m256 even[NC], odd[NC];
         KT_UNROLL
-        for (int v = 0; v < NC; ++v) split(v, even[v], odd[v]);
+        for (int v = 0; v < NC; ++v) D::split(row, v0 + v, even[v], odd[v]);
         KT_UNROLL
         for (int m = 0; m < MR; ++m) {
           const __m256 a0 = _mm256_broadcast_ss(ar + m * kc), a1 = _mm256_broadcast_ss(ar + m * kc + 1);
@@ -121,7 +158,7 @@ inline void gemm_pass(const float* const (&a)[NB], int kc, const bf16* const (&b
         KT_UNROLL
         for (int v = 0; v < NC; ++v) {
           __m256 even, odd;
-          split(v, even, odd);
+          D::split(row, v0 + v, even, odd);
           KT_UNROLL
           for (int m = 0; m < MR; ++m) {
             acc[n][m][v] = _mm256_fmadd_ps(a0[m], even, acc[n][m][v]);
@@ -136,23 +173,30 @@ inline void gemm_pass(const float* const (&a)[NB], int kc, const bf16* const (&b
     KT_UNROLL
     for (int m = 0; m < MR; ++m)
       KT_UNROLL
-      for (int v = 0; v < NC; ++v) _mm256_storeu_ps(c[n] + m * ldc + 8 * v, acc[n][m][v]);
+      for (int v = 0; v < NC; ++v) {
+        float* out = c[n] + m * ldc + 8 * v;
+        __m256 r = acc[n][m][v];
+        if (s[n]) {
+          const __m256 sv = _mm256_loadu_ps(s[n] + 8 * (v0 + v));
+          r = first ? _mm256_mul_ps(r, sv) : _mm256_fmadd_ps(r, sv, _mm256_loadu_ps(out));
+        }
+        _mm256_storeu_ps(out, r);
+      }
 }
 
 // All 64 columns of one K chunk, 8 / NC passes. Each pass prefetches what it will read in the next chunk, so the
 // memory streams while every pass computes (decode is bound by weight bandwidth).
-template <int MR, int NB, int NC>
-void gemm_chunk(const float* const (&a)[NB], int kc, const bf16* const (&b)[NB], float* const (&c)[NB], int64_t ldc,
-                bool first, bool prefetch) {
+template <class D, int MR, int NB, int NC>
+void gemm_chunk(const float* const (&a)[NB], int kc, const uint8_t* const (&b)[NB], float* const (&c)[NB],
+                const float* const (&s)[NB], int64_t ldc, bool first, bool prefetch) {
   static_assert(kBlockN % (8 * NC) == 0, "passes must tile the 64 columns");
   for (int p = 0; p < kBlockN / (8 * NC); ++p) {
-    const bf16* bp[NB];
     float* cp[NB];
-    for (int n = 0; n < NB; ++n) bp[n] = b[n] + p * NC * 16, cp[n] = c[n] + p * NC * 8;
+    for (int n = 0; n < NB; ++n) cp[n] = c[n] + p * NC * 8;
     if (prefetch)
-      gemm_pass<MR, NB, NC, true>(a, kc, bp, cp, ldc, first);
+      gemm_pass<D, MR, NB, NC, true>(a, kc, b, p * NC, cp, s, ldc, first);
     else
-      gemm_pass<MR, NB, NC, false>(a, kc, bp, cp, ldc, first);
+      gemm_pass<D, MR, NB, NC, false>(a, kc, b, p * NC, cp, s, ldc, first);
   }
 }
 
@@ -164,13 +208,19 @@ void rows_to_f32(int rows, const bf16* A, int64_t lda, int kc, float* out) {
                        bf16x8_to_f32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(A + m * lda + k))));
 }
 
+// The scales of the chunk at K offset k0 (null for bf16).
+inline const float* chunk_scales(const float* s, int group, int k0) { return s ? s + (k0 / group) * kBlockN : nullptr; }
+
 // 4 rows × 16 columns is the widest FMA-to-conversion ratio the registers allow (16 FMAs per 2 shifts + 2 ANDs
 // per K pair); 1-3 leftover rows take wider column passes.
-void gemm_block_avx2(int M, const bf16* A, int64_t lda, const bf16* block, int kp, float* C, int64_t ldc) {
+template <class D>
+void gemm_rows(int M, const bf16* A, int64_t lda, const uint8_t* block, const float* scales, int group, int kp,
+               float* C, int64_t ldc) {
   alignas(32) float buf[4 * kKC];
   for (int k0 = 0; k0 < kp; k0 += kKC) {
     const int kc = std::min(kKC, kp - k0);
-    const bf16* const b[1] = {block + static_cast<int64_t>(k0) * kBlockN};
+    const uint8_t* const b[1] = {block + static_cast<int64_t>(k0 / 2) * D::kRowBytes};
+    const float* const s[1] = {chunk_scales(scales, group, k0)};
     const float* const a[1] = {buf};
     for (int m0 = 0; m0 < M; m0 += 4) {
       const int mr = std::min(4, M - m0);
@@ -178,10 +228,10 @@ void gemm_block_avx2(int M, const bf16* A, int64_t lda, const bf16* block, int k
       float* const c[1] = {C + m0 * ldc};
       const bool first = k0 == 0, pf = m0 == 0;
       switch (mr) {
-        case 4: gemm_chunk<4, 1, 2>(a, kc, b, c, ldc, first, pf); break;
-        case 3: gemm_chunk<3, 1, 2>(a, kc, b, c, ldc, first, pf); break;
-        case 2: gemm_chunk<2, 1, 4>(a, kc, b, c, ldc, first, pf); break;
-        default: gemm_chunk<1, 1, 8>(a, kc, b, c, ldc, first, pf); break;
+        case 4: gemm_chunk<D, 4, 1, 2>(a, kc, b, c, s, ldc, first, pf); break;
+        case 3: gemm_chunk<D, 3, 1, 2>(a, kc, b, c, s, ldc, first, pf); break;
+        case 2: gemm_chunk<D, 2, 1, 4>(a, kc, b, c, s, ldc, first, pf); break;
+        default: gemm_chunk<D, 1, 1, 8>(a, kc, b, c, s, ldc, first, pf); break;
       }
     }
   }
@@ -189,12 +239,13 @@ void gemm_block_avx2(int M, const bf16* A, int64_t lda, const bf16* block, int k
 
 // Up to kPairRows = 3 rows (decode, where weight bandwidth decides) both blocks are streamed side by side;
 // with more rows each loaded block is reused enough that one block after the other is faster.
-static_assert(kt::kPairRows == 3, "gemm_block_pair_avx2 has tiles for 1..3 rows");
-void gemm_block_pair_avx2(int M, const bf16* A0, const bf16* A1, int64_t lda, const bf16* block0, const bf16* block1,
-                          int kp, float* C0, float* C1, int64_t ldc) {
+static_assert(kt::kPairRows == 3, "gemm_pair_rows has tiles for 1..3 rows");
+template <class D>
+void gemm_pair_rows(int M, const bf16* A0, const bf16* A1, int64_t lda, const uint8_t* block0, const uint8_t* block1,
+                    const float* scales0, const float* scales1, int group, int kp, float* C0, float* C1, int64_t ldc) {
   if (M > kt::kPairRows) {
-    gemm_block_avx2(M, A0, lda, block0, kp, C0, ldc);
-    gemm_block_avx2(M, A1, lda, block1, kp, C1, ldc);
+    gemm_rows<D>(M, A0, lda, block0, scales0, group, kp, C0, ldc);
+    gemm_rows<D>(M, A1, lda, block1, scales1, group, kp, C1, ldc);
     return;
   }
   if (M <= 0) return;
@@ -204,13 +255,56 @@ void gemm_block_pair_avx2(int M, const bf16* A0, const bf16* A1, int64_t lda, co
     rows_to_f32(M, A0 + k0, lda, kc, buf[0]);
     if (A1 != A0) rows_to_f32(M, A1 + k0, lda, kc, buf[1]);  // gate/up share their input rows
     const float* const a[2] = {buf[0], A1 != A0 ? buf[1] : buf[0]};
-    const bf16* const b[2] = {block0 + static_cast<int64_t>(k0) * kBlockN, block1 + static_cast<int64_t>(k0) * kBlockN};
+    const int64_t off = static_cast<int64_t>(k0 / 2) * D::kRowBytes;
+    const uint8_t* const b[2] = {block0 + off, block1 + off};
+    const float* const s[2] = {chunk_scales(scales0, group, k0), chunk_scales(scales1, group, k0)};
     float* const c[2] = {C0, C1};
     switch (M) {
-      case 1: gemm_chunk<1, 2, 4>(a, kc, b, c, ldc, k0 == 0, true); break;
-      case 2: gemm_chunk<2, 2, 2>(a, kc, b, c, ldc, k0 == 0, true); break;
-      default: gemm_chunk<3, 2, 1>(a, kc, b, c, ldc, k0 == 0, true); break;
+      case 1: gemm_chunk<D, 1, 2, 4>(a, kc, b, c, s, ldc, k0 == 0, true); break;
+      case 2: gemm_chunk<D, 2, 2, 2>(a, kc, b, c, s, ldc, k0 == 0, true); break;
+      default: gemm_chunk<D, 3, 2, 1>(a, kc, b, c, s, ldc, k0 == 0, true); break;
     }
+  }
+}
+
+inline const uint8_t* bytes(const bf16* p) { return reinterpret_cast<const uint8_t*>(p); }
+
+void gemm_block_avx2(int M, const bf16* A, int64_t lda, const bf16* block, int kp, float* C, int64_t ldc) {
+  gemm_rows<Bf16Row>(M, A, lda, bytes(block), nullptr, kp, kp, C, ldc);
+}
+
+void gemm_block_pair_avx2(int M, const bf16* A0, const bf16* A1, int64_t lda, const bf16* block0, const bf16* block1,
+                          int kp, float* C0, float* C1, int64_t ldc) {
+  gemm_pair_rows<Bf16Row>(M, A0, A1, lda, bytes(block0), bytes(block1), nullptr, nullptr, kp, kp, C0, C1, ldc);
+}
+
+template <class D>
+void qgemm(int M, const bf16* A, int64_t lda, const kt::Layout& l, kt::Block b, float* C, int64_t ldc) {
+  gemm_rows<D>(M, A, lda, b.w, b.s, l.group, l.kp, C, ldc);
+}
+template <class D>
+void qgemm_pair(int M, const bf16* A0, const bf16* A1, int64_t lda, const kt::Layout& l, kt::Block b0, kt::Block b1,
+                float* C0, float* C1, int64_t ldc) {
+  gemm_pair_rows<D>(M, A0, A1, lda, b0.w, b1.w, b0.s, b1.s, l.group, l.kp, C0, C1, ldc);
+}
+
+void qgemm_block_avx2(int M, const bf16* A, int64_t lda, const kt::Layout& l, kt::Block b, float* C, int64_t ldc) {
+  switch (l.fmt) {
+    case kt::Format::int8: return qgemm<Int8Row>(M, A, lda, l, b, C, ldc);
+    case kt::Format::int4: return qgemm<Int4Row>(M, A, lda, l, b, C, ldc);
+    case kt::Format::fp8: return qgemm<Fp8Row>(M, A, lda, l, b, C, ldc);
+    case kt::Format::bf16: return gemm_rows<Bf16Row>(M, A, lda, b.w, nullptr, l.kp, l.kp, C, ldc);
+  }
+}
+
+void qgemm_block_pair_avx2(int M, const bf16* A0, const bf16* A1, int64_t lda, const kt::Layout& l, kt::Block b0,
+                           kt::Block b1, float* C0, float* C1, int64_t ldc) {
+  switch (l.fmt) {
+    case kt::Format::int8: return qgemm_pair<Int8Row>(M, A0, A1, lda, l, b0, b1, C0, C1, ldc);
+    case kt::Format::int4: return qgemm_pair<Int4Row>(M, A0, A1, lda, l, b0, b1, C0, C1, ldc);
+    case kt::Format::fp8: return qgemm_pair<Fp8Row>(M, A0, A1, lda, l, b0, b1, C0, C1, ldc);
+    case kt::Format::bf16:
+      return gemm_pair_rows<Bf16Row>(M, A0, A1, lda, b0.w, b1.w, nullptr, nullptr, l.kp, l.kp, C0, C1, ldc);
   }
 }
 
@@ -371,7 +465,8 @@ namespace kt {
 const Kernels* kernels_avx2() {
   static const Kernels k{"avx2",             gemm_block_avx2,     gemm_block_pair_avx2, lora_a_bf16_avx2,
                          lora_a_f32_avx2,    lora_b_add_avx2,     outer_acc_bf16_avx2,  outer_acc_f32_avx2,
-                         swiglu_avx2,        swiglu_backward_avx2};
+                         swiglu_avx2,        swiglu_backward_avx2, qgemm_block_avx2,
+                         qgemm_block_pair_avx2, decode_rows_generic};
   return &k;
 }
 

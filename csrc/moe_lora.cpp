@@ -4,14 +4,11 @@
 #include "moe_lora.h"
 
 #include <algorithm>
+#include <array>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
-
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 
 #include "moe_lora_internal.h"
 #include "thread_pool.h"
@@ -20,98 +17,70 @@ namespace kt {
 
 namespace {
 
-constexpr size_t kHuge = size_t(2) << 20;
-
-// Zeroed memory; arrays of 2 MiB or more (packed weights, large scratch) are mapped from the OS, 2 MiB-aligned
-// and asked for transparent huge pages, so streaming weights walks one TLB entry per 2 MiB rather than per 4 KiB
-// (about 15% more read bandwidth on the machines measured, see evals/bench_kernel.py), and freeing them gives
-// the memory back to the OS at once (malloc would keep it, and a checkpointed layer's saved state would then
-// stay resident after its backward). Returns the rounded-up size.
-void* alloc_zeroed(size_t& bytes) {
-  // Rounded first, so that free_zeroed, which sees only the rounded size, tells the two kinds apart the same way.
-  bytes = static_cast<size_t>(round_up(static_cast<int64_t>(bytes), 64));
-#if defined(__linux__)
-  if (bytes >= kHuge) {
-    bytes = static_cast<size_t>(round_up(static_cast<int64_t>(bytes), static_cast<int64_t>(kHuge)));
-    const size_t mapped = bytes + kHuge;
-    void* raw = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (raw == MAP_FAILED) throw std::bad_alloc();
-    const uintptr_t begin = reinterpret_cast<uintptr_t>(raw);
-    const uintptr_t aligned = (begin + kHuge - 1) & ~(kHuge - 1);
-    if (aligned > begin) munmap(raw, aligned - begin);
-    if (begin + mapped > aligned + bytes) munmap(reinterpret_cast<void*>(aligned + bytes), begin + mapped - aligned - bytes);
-#ifdef MADV_HUGEPAGE
-    madvise(reinterpret_cast<void*>(aligned), bytes, MADV_HUGEPAGE);  // only a hint: a no-op where THP is off
-#endif
-    return reinterpret_cast<void*>(aligned);  // anonymous pages read as zero
-  }
-#endif
-  void* p = std::aligned_alloc(64, bytes);
-  if (!p) throw std::bad_alloc();
-  std::memset(p, 0, bytes);
-  return p;
+// fp32 values of the 256 e4m3 codes: decoding a checkpoint's fp8 experts is one lookup per element.
+const float* e4m3_table() {
+  static const auto table = [] {
+    std::array<float, 256> t{};
+    for (int b = 0; b < 256; ++b) t[b] = e4m3_to_f32(static_cast<uint8_t>(b));
+    return t;
+  }();
+  return table.data();
 }
 
-void free_zeroed(void* p, size_t bytes) {
-#if defined(__linux__)
-  if (bytes >= kHuge) {
-    munmap(p, bytes);
-    return;
-  }
-#endif
-  std::free(p);
+// Packs one matrix of every expert: N × K values at src + e·estride (bf16 or e4m3 + block scales).
+void pack_matrix(PackedWeights& W, const ExpertWeights& w, const void* src, int64_t estride, const float* scale,
+                 int64_t sstride) {
+  const int N = W.N, K = W.K, bn = w.block_n, bk = w.block_k;
+  const int64_t ld_scale = (K + bk - 1) / bk;
+  global_pool()->parallel_for(W.E, [&](int64_t e) {
+    const int ei = static_cast<int>(e);
+    if (!w.fp8) {
+      const bf16* p = static_cast<const bf16*>(src) + e * estride;
+      W.pack(ei, [&](int n, int k) { return bf16_to_f32(p[static_cast<int64_t>(n) * K + k]); });
+      return;
+    }
+    const uint8_t* p = static_cast<const uint8_t*>(src) + e * estride;
+    const float* s = scale + e * sstride;
+    if (W.layout.fmt == Format::fp8) return W.pack_fp8(ei, p, K, s, ld_scale, bn);
+    const float* lut = e4m3_table();
+    W.pack(ei, [&](int n, int k) { return lut[p[static_cast<int64_t>(n) * K + k]] * s[(n / bn) * ld_scale + k / bk]; });
+  });
 }
 
 }  // namespace
 
-template <typename T>
-T* Buffer<T>::get(size_t n) {
-  if (n > cap_ || !p_) {
-    release();
-    size_t bytes = std::max<size_t>(n, 1) * sizeof(T);
-    p_ = static_cast<T*>(alloc_zeroed(bytes));
-    bytes_ = bytes;
-    cap_ = bytes / sizeof(T);
-  }
-  return p_;
-}
-
-template <typename T>
-void Buffer<T>::release() {
-  if (p_) free_zeroed(p_, bytes_);
-  p_ = nullptr;
-  cap_ = bytes_ = 0;
-}
-
-template class Buffer<bf16>;
-template class Buffer<float>;
-
-void PackedWeights::init(int E_, int N_, int K_) {
-  E = E_, N = N_, K = K_;
-  kp = static_cast<int>(round_up(K, 32));  // K steps of 32: one AMX tile row; input rows are padded to match
-  nblocks = ceil_div(N, kBlockN);
-  block_elems = static_cast<size_t>(kp) * kBlockN;
-  data.get(static_cast<size_t>(E) * nblocks * block_elems);
-}
-
-MoELoRA::MoELoRA(int E, int H, int I, const bf16* gate, int64_t gate_es, const bf16* up, int64_t up_es,
-                 const bf16* down, int64_t down_es, int max_tokens, int max_slots, const Kernels& kernels)
+MoELoRA::MoELoRA(int E, int H, int I, const ExpertWeights& w, Format fmt, int group, int max_tokens, int max_slots,
+                 const Kernels& kernels)
     : E_(E), H_(H), I_(I), max_tokens_(max_tokens), k_(kernels) {
   if (E < 1 || H < 1 || I < 1) fail("num_experts, hidden and intermediate sizes must be >= 1");
   if (max_slots < 1) fail("max_slots must be >= 1");
-  gate_.init(E, I, H);
-  up_.init(E, I, H);
-  down_.init(E, H, I);
-  global_pool()->parallel_for(E, [&](int64_t e) {
-    gate_.pack(static_cast<int>(e), [&](int n, int k) { return gate[e * gate_es + static_cast<int64_t>(n) * H + k]; });
-    up_.pack(static_cast<int>(e), [&](int n, int k) { return up[e * up_es + static_cast<int64_t>(n) * H + k]; });
-    down_.pack(static_cast<int>(e), [&](int n, int k) { return down[e * down_es + static_cast<int64_t>(n) * I + k]; });
-  });
+  if (!w.gate || !w.up || !w.down) fail("gate, up and down weights are required");
+  if (w.fp8) {
+    if (!w.gate_scale || !w.up_scale || !w.down_scale) fail("fp8 weights need their block scales");
+    if (w.block_n < 1 || w.block_k < 1) fail("fp8 weight blocks must be >= 1 × 1");
+    if (fmt == Format::fp8) group = w.block_k;  // the checkpoint's K blocks become the scale groups
+  }
+  gate_.init(E, I, H, fmt, group);
+  up_.init(E, I, H, fmt, group);
+  down_.init(E, H, I, fmt, group);
+  pack_matrix(gate_, w, w.gate, w.gate_estride, w.gate_scale, w.gate_sstride);
+  pack_matrix(up_, w, w.up, w.up_estride, w.up_scale, w.up_sstride);
+  pack_matrix(down_, w, w.down, w.down_estride, w.down_scale, w.down_sstride);
   slots_.resize(max_slots);
   grads_.resize(max_slots);
 }
 
 MoELoRA::~MoELoRA() = default;
+
+void MoELoRA::dequantize(int proj, float* out) const {
+  if (proj < 0 || proj > 2) fail("proj must be 0 (gate), 1 (up) or 2 (down)");
+  const PackedWeights& W = proj == 0 ? gate_ : proj == 1 ? up_ : down_;
+  global_pool()->parallel_for(E_, [&](int64_t e) {
+    float* o = out + e * W.N * W.K;
+    for (int n = 0; n < W.N; ++n)
+      for (int k = 0; k < W.K; ++k) o[static_cast<int64_t>(n) * W.K + k] = W.at(static_cast<int>(e), n, k);
+  });
+}
 
 void MoELoRA::check_slot(int slot) const {
   if (slot < 0 || slot >= static_cast<int>(slots_.size()))
@@ -182,7 +151,7 @@ void MoELoRA::ensure_backward_weights() {
     gate_up_t_.pack(e, [&](int n, int k) {
       if (k < I_) return gate_.at(e, k, n);
       if (k >= kpI && k < kpI + I_) return up_.at(e, k - kpI, n);
-      return bf16(0);
+      return 0.f;
     });
   });
   have_backward_weights_ = true;

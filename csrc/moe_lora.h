@@ -18,48 +18,21 @@
 
 #include "dropout.h"
 #include "kernels.h"
+#include "packed_weights.h"
 
 namespace kt {
 
-// An aligned, zero-initialised array that is reused across calls (grows, never shrinks; freed with its owner).
-template <typename T>
-class Buffer {
- public:
-  Buffer() = default;
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-  ~Buffer() { release(); }
-  T* get(size_t n);  // at least n elements, contents unspecified (zeroed on growth)
-  T* data() const { return p_; }
-
- private:
-  void release();
-  T* p_ = nullptr;
-  size_t cap_ = 0, bytes_ = 0;
-};
-
-// W [N, K] packed per expert in the kernels.h block layout.
-struct PackedWeights {
-  int E = 0, N = 0, K = 0, kp = 0, nblocks = 0;
-  size_t block_elems = 0;  // kp * 64
-  Buffer<bf16> data;
-  const bf16* block(int e, int b) const { return data.data() + (static_cast<size_t>(e) * nblocks + b) * block_elems; }
-  void init(int E, int N, int K);
-  // Packs expert e from get(n, k) = W[n][k].
-  template <typename Get>
-  void pack(int e, Get&& get) {
-    bf16* dst = data.data() + static_cast<size_t>(e) * nblocks * block_elems;
-    for (int b = 0; b < nblocks; ++b)
-      for (int kk = 0; kk < kp / 2; ++kk)
-        for (int c = 0; c < kBlockN; ++c)
-          for (int j = 0; j < 2; ++j) {
-            const int n = b * kBlockN + c, k = 2 * kk + j;
-            *dst++ = (n < N && k < K) ? get(n, k) : bf16(0);
-          }
-  }
-  bf16 at(int e, int n, int k) const {
-    return block(e, n / kBlockN)[(static_cast<size_t>(k / 2) * kBlockN + n % kBlockN) * 2 + k % 2];
-  }
+// The base weights as the caller holds them: bf16, or fp8 (e4m3) with the fp32 scale of each block_n × block_k
+// block, the DeepSeek-V3 / Qwen3-FP8 checkpoint layout. Pointers are at expert 0, experts *_estride elements
+// apart (a fused gate_up [E, 2I, H] is gate = p, up = p + I·H, estride 2·I·H); scales row-major
+// [ceil(N / block_n), ceil(K / block_k)] per expert, *_sstride floats apart.
+struct ExpertWeights {
+  bool fp8 = false;
+  const void *gate = nullptr, *up = nullptr, *down = nullptr;
+  int64_t gate_estride = 0, up_estride = 0, down_estride = 0;
+  const float *gate_scale = nullptr, *up_scale = nullptr, *down_scale = nullptr;
+  int64_t gate_sstride = 0, up_sstride = 0, down_sstride = 0;
+  int block_n = 128, block_k = 128;
 };
 
 // One adapter (slot content), immutable once built; shared with calls in flight.
@@ -78,11 +51,11 @@ struct GradBuffers {  // caller-owned fp32 tensors in the KT layout; accumulated
 
 class MoELoRA {
  public:
-  // gate/up/down point at expert 0; experts are *_estride elements apart, rows contiguous (a fused gate_up
-  // [E, 2I, H] is gate = p, up = p + I·H, estride 2·I·H). The weights are copied (packed); callers may free theirs.
-  MoELoRA(int num_experts, int hidden, int intermediate, const bf16* gate, int64_t gate_estride, const bf16* up,
-          int64_t up_estride, const bf16* down, int64_t down_estride, int max_tokens, int max_slots,
-          const Kernels& kernels);
+  // The weights are packed in `format` (quantized unless they already are in it: an fp8 checkpoint packed as
+  // fp8 keeps its bytes and block scales); callers may free theirs. group: K values per scale of int4, and of
+  // fp8 packed from bf16 (a multiple of 64).
+  MoELoRA(int num_experts, int hidden, int intermediate, const ExpertWeights& weights, Format format, int group,
+          int max_tokens, int max_slots, const Kernels& kernels);
   ~MoELoRA();
 
   int num_experts() const { return E_; }
@@ -90,6 +63,10 @@ class MoELoRA {
   int intermediate() const { return I_; }
   int max_slots() const { return static_cast<int>(slots_.size()); }
   const char* isa() const { return k_.name; }
+  Format format() const { return gate_.layout.fmt; }
+  // The weights the kernel computes with, dequantized: proj 0 gate, 1 up [E, I, H]; 2 down [E, H, I], fp32.
+  void dequantize(int proj, float* out) const;
+  size_t weight_bytes() const { return gate_.bytes() + up_.bytes() + down_.bytes(); }  // packed forward weights
 
   void set_adapter(int slot, int rank, float alpha, const bf16* gate_a, const bf16* gate_b, const bf16* up_a,
                    const bf16* up_b, const bf16* down_a, const bf16* down_b);
@@ -116,7 +93,8 @@ class MoELoRA {
   const int E_, H_, I_, max_tokens_;
   const Kernels& k_;
   PackedWeights gate_, up_, down_;        // forward: Wg, Wu [I, H]; Wd [H, I]
-  PackedWeights down_t_, gate_up_t_;      // backward, built on first use: Wdᵀ [I, H]; [Wg | Wu]ᵀ [H, 2·kpI]
+  PackedWeights down_t_, gate_up_t_;      // backward, built on first use, bf16 of the dequantized weights:
+                                          // Wdᵀ [I, H]; [Wg | Wu]ᵀ [H, 2·kpI]
   std::mutex backward_weights_mutex_;
   bool have_backward_weights_ = false;
 

@@ -88,7 +88,7 @@ void MoELoRA::backward(const bf16* grad_out, bf16* grad_x, float* grad_w) {
     const auto& t = q_tasks[ti];
     const int M = t.r1 - t.r0, c0 = t.cb * kBlockN, nc = std::min(kBlockN, I - c0);
     float* Q = tl_tile[0];
-    k_.gemm_block(M, gout + t.r0 * ldx, ldx, down_t_.block(t.e, t.cb), down_t_.kp, Q, kBlockN);
+    gemm_block(k_, M, gout + t.r0 * ldx, ldx, down_t_, t.e, t.cb, Q, kBlockN);
     for_segments(rt, t.e, t.r0, t.r1, [&](const Route::Segment& s, int b, int end) {
       const Adapter* a = rt.seg_adapter(s);
       if (!a) return;
@@ -129,7 +129,7 @@ void MoELoRA::backward(const bf16* grad_out, bf16* grad_x, float* grad_w) {
     for (int e : groups[grp]) {
       for (int r0 = rt.expert_begin[e]; r0 < rt.expert_begin[e + 1]; r0 += kRowBlock) {
         const int r1 = std::min(r0 + kRowBlock, rt.expert_begin[e + 1]);
-        k_.gemm_block(r1 - r0, dgu + r0 * ldgu, ldgu, gate_up_t_.block(e, cb), gate_up_t_.kp, C, kBlockN);
+        gemm_block(k_, r1 - r0, dgu + r0 * ldgu, ldgu, gate_up_t_, e, cb, C, kBlockN);
         for_segments(rt, e, r0, r1, [&](const Route::Segment& s, int b, int end) {
           const Adapter* a = rt.seg_adapter(s);
           if (!a) return;

@@ -106,7 +106,7 @@ void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, 
         prefetch_rows(a->up_bt.data() + off, a->rank, I, nc);
       }
     });
-    k_.gemm_block_pair(M, xr, xr, ldx, gate_.block(t.e, t.cb), up_.block(t.e, t.cb), gate_.kp, Cg, Cu, kBlockN);
+    gemm_block_pair(k_, M, xr, xr, ldx, gate_, t.e, up_, t.e, t.cb, Cg, Cu, kBlockN);
     for_segments(rt, t.e, t.r0, t.r1, [&](const Route::Segment& s, int b, int end) {
       const Adapter* a = rt.seg_adapter(s);
       if (!a) return;
@@ -183,11 +183,9 @@ void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, 
         prefetch_lora(e2);
         float* C = tl_tile[0];
         float* C2 = tl_tile[1];
-        k_.gemm_block_pair(m, Hb + b * ldh, Hb + b2 * ldh, ldh, down_.block(e, cb), down_.block(e2, cb), down_.kp, C,
-                           C2, kBlockN);
-        if (n > m) k_.gemm_block(n - m, Hb + (b + m) * ldh, ldh, down_.block(e, cb), down_.kp, C + m * kBlockN, kBlockN);
-        if (n2 > m)
-          k_.gemm_block(n2 - m, Hb + (b2 + m) * ldh, ldh, down_.block(e2, cb), down_.kp, C2 + m * kBlockN, kBlockN);
+        gemm_block_pair(k_, m, Hb + b * ldh, Hb + b2 * ldh, ldh, down_, e, down_, e2, cb, C, C2, kBlockN);
+        if (n > m) gemm_block(k_, n - m, Hb + (b + m) * ldh, ldh, down_, e, cb, C + m * kBlockN, kBlockN);
+        if (n2 > m) gemm_block(k_, n2 - m, Hb + (b2 + m) * ldh, ldh, down_, e2, cb, C2 + m * kBlockN, kBlockN);
         finish(e, b, b + n, C);
         finish(e2, b2, b2 + n2, C2);
         continue;
@@ -195,7 +193,7 @@ void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, 
       prefetch_lora(e);
       for (int r0 = b; r0 < rt.expert_begin[e + 1]; r0 += kRowBlock) {
         const int r1 = std::min(r0 + kRowBlock, rt.expert_begin[e + 1]);
-        k_.gemm_block(r1 - r0, Hb + r0 * ldh, ldh, down_.block(e, cb), down_.kp, tl_tile[0], kBlockN);
+        gemm_block(k_, r1 - r0, Hb + r0 * ldh, ldh, down_, e, cb, tl_tile[0], kBlockN);
         finish(e, r0, r1, tl_tile[0]);
       }
     }

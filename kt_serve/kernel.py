@@ -30,6 +30,7 @@ from typing import Mapping, Optional, Union
 import torch
 
 from kt_serve import _kernel
+from kt_serve.kernel_weights import WEIGHT_FORMATS, as_bf16 as _as_bf16, expect as _expect, prepare
 
 __all__ = [
     "ExpertLoRA", "MoEExperts", "MoELoRAExperts", "dropout_keep_mask", "expert_checkpoint_contexts", "set_num_threads",
@@ -147,33 +148,14 @@ class ExpertLoRA:
         return r
 
 
-def _as_bf16(t: torch.Tensor, name: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if not t.is_floating_point():
-        raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
-    return t.detach().to(device="cpu", dtype=torch.bfloat16).contiguous()
-
-
-def _expect(t: torch.Tensor, name: str, dtypes: tuple, shape: tuple) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
-        raise ValueError(f"{name} must be on the CPU, got {t.device}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name} must be {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (call .contiguous())")
-
-
 class MoEExperts:
     """Routed experts of one MoE layer on the CPU kernel, with up to ``max_slots`` expert adapters at once.
 
-    Base weights (any float dtype, converted to bf16) are ``gate_proj``/``up_proj`` ``[E, I, H]`` and
-    ``down_proj`` ``[E, H, I]``, or a fused ``gate_up_proj`` ``[E, 2I, H]`` (gate rows first). They are packed
-    into the kernel's layout at construction; the caller may free its tensors afterwards.
+    Base weights are ``gate_proj``/``up_proj`` ``[E, I, H]`` and ``down_proj`` ``[E, H, I]``, or a fused
+    ``gate_up_proj`` ``[E, 2I, H]`` (gate rows first): any float dtype, or an FP8 checkpoint's
+    ``torch.float8_e4m3fn`` tensors with their ``*_scale_inv`` block scales (``weight_block_size``). They are
+    packed in ``weight_format`` (bf16, fp8, int8 or int4: :mod:`kt_serve.kernel_weights`) at construction; the
+    caller may free its tensors afterwards.
     """
 
     def __init__(
@@ -186,38 +168,22 @@ class MoEExperts:
         max_tokens: int = 65536,
         max_slots: int = 64,
         isa: str = "auto",
+        weight_format: str = "bf16",
+        group_size: int = 128,
+        **scales,
     ):
-        if down_proj is None:
-            raise ValueError("down_proj [E, H, I] is required")
-        down = _as_bf16(down_proj, "down_proj")
-        if down.dim() != 3:
-            raise ValueError(f"down_proj must be 3-D [E, H, I], got shape {tuple(down.shape)}")
-        E, H, I = down.shape
-        if gate_up_proj is not None:
-            if gate_proj is not None or up_proj is not None:
-                raise ValueError("pass either gate_up_proj or gate_proj + up_proj, not both")
-            gate_up = _as_bf16(gate_up_proj, "gate_up_proj")
-            if tuple(gate_up.shape) != (E, 2 * I, H):
-                raise ValueError(f"gate_up_proj has shape {tuple(gate_up.shape)}, expected {(E, 2 * I, H)} from down_proj")
-            keep = (gate_up, down)
-            gate_ptr, up_ptr, gu_stride = gate_up.data_ptr(), gate_up.data_ptr() + I * H * 2, 2 * I * H
-            strides = (gu_stride, gu_stride)
-        else:
-            if gate_proj is None or up_proj is None:
-                raise ValueError("gate_proj and up_proj [E, I, H] are required (or a fused gate_up_proj)")
-            gate, up = _as_bf16(gate_proj, "gate_proj"), _as_bf16(up_proj, "up_proj")
-            for name, t in (("gate_proj", gate), ("up_proj", up)):
-                if tuple(t.shape) != (E, I, H):
-                    raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {(E, I, H)} from down_proj")
-            keep = (gate, up, down)
-            gate_ptr, up_ptr, strides = gate.data_ptr(), up.data_ptr(), (I * H, I * H)
         if max_tokens < 1 or max_slots < 1:
             raise ValueError("max_tokens and max_slots must be >= 1")
-        self._k = _kernel.MoELoRA(
-            E, H, I, gate_ptr, strides[0], up_ptr, strides[1], down.data_ptr(), H * I,
-            int(max_tokens), int(max_slots), isa,
-        )
-        del keep  # packed copies live in the kernel now
+        unknown = set(scales) - {"gate_scale_inv", "up_scale_inv", "down_scale_inv", "gate_up_scale_inv",
+                                 "weight_block_size"}
+        if unknown:
+            raise TypeError(f"MoEExperts: unexpected argument(s) {sorted(unknown)}")
+        w = prepare(gate_proj, up_proj, down_proj, gate_up_proj, weight_format=weight_format, group_size=group_size,
+                    **scales)
+        E, H, I = w.E, w.H, w.I
+        self._k = _kernel.MoELoRA(E, H, I, max_tokens=int(max_tokens), max_slots=int(max_slots), isa=isa,
+                                  format=weight_format, group=int(group_size), **w.args)
+        del w  # packed copies live in the kernel now
         self.num_experts, self.hidden_size, self.intermediate_size = E, H, I
         self.max_tokens, self.max_slots = int(max_tokens), int(max_slots)
         self._adapters: dict = {}  # slot -> ExpertLoRA (bf16 copies, kept for introspection)
@@ -229,6 +195,26 @@ class MoEExperts:
     @property
     def isa(self) -> str:
         return self._k.isa
+
+    @property
+    def weight_format(self) -> str:
+        return self._k.format
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the packed base weights (forward copies; training adds bf16 transposes on first backward)."""
+        return int(self._k.weight_bytes)
+
+    def dequantized(self) -> dict:
+        """The base weights the kernel computes with, fp32: ``gate_proj``, ``up_proj`` ``[E, I, H]`` and
+        ``down_proj`` ``[E, H, I]`` (for references and for measuring quantization error)."""
+        E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
+        out = {}
+        for proj, (name, shape) in enumerate((("gate_proj", (E, I, H)), ("up_proj", (E, I, H)), ("down_proj", (E, H, I)))):
+            t = torch.empty(shape, dtype=torch.float32)
+            self._k.dequantize(proj, t.data_ptr())
+            out[name] = t
+        return out
 
     def _check_slot(self, slot: int) -> int:
         if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < self.max_slots:

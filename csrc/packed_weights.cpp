@@ -1,0 +1,192 @@
+// Packing and quantization of expert weights (formats in weight_format.h), and the per-block GEMM dispatch.
+//
+// Quantization rules (restated independently by tests/test_kernel_formats.py):
+//   int8  per output row n: s = amax_k |W[n][k]| / 127, q = clamp(nearbyint(W / s), -127, 127)
+//   int4  per row n and K group: s = amax / 7, q = clamp(nearbyint(W / s), -8, 7)
+//   fp8   from a float source, per 64 rows × K group: s = amax / 448, q = e4m3(W / s) (nearest even);
+//         from an fp8 checkpoint the bytes and block scales are taken as they are (pack_fp8)
+// with s = 1 where amax is 0; divisions in fp32, nearbyint rounds half to even.
+#include "packed_weights.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+namespace kt {
+
+namespace {
+
+// From this many rows a quantized block is decoded once into bf16 and run through the bf16 microkernel (AMX
+// where the CPU has it): the decode is then shared by enough rows that it costs less than decoding in registers
+// for every group of rows.
+constexpr int kDecodeRows = 16;
+
+[[noreturn]] void fail(const std::string& msg) { throw std::invalid_argument(msg); }
+
+float amax(const float* p, int n) {
+  float a = 0.f;
+  for (int i = 0; i < n; ++i) a = std::max(a, std::fabs(p[i]));
+  return a;
+}
+
+}  // namespace
+
+const char* format_name(Format f) {
+  switch (f) {
+    case Format::bf16: return "bf16";
+    case Format::int8: return "int8";
+    case Format::int4: return "int4";
+    case Format::fp8: return "fp8";
+  }
+  return "?";
+}
+
+Format parse_format(const std::string& name) {
+  for (Format f : {Format::bf16, Format::int8, Format::int4, Format::fp8})
+    if (name == format_name(f)) return f;
+  fail("unknown expert weight format '" + name + "' (expected bf16, int8, int4 or fp8)");
+}
+
+void PackedWeights::init(int E_, int N_, int K_, Format fmt, int group) {
+  E = E_, N = N_, K = K_;
+  layout.fmt = fmt;
+  layout.kp = static_cast<int>((K + 31) / 32 * 32);  // K steps of 32: one AMX tile row; input rows padded to match
+  if (fmt == Format::int4 || fmt == Format::fp8) {
+    if (group < 64 || group % 64 != 0)
+      fail(std::string(format_name(fmt)) + " weights: the K group size must be a positive multiple of 64, got " +
+           std::to_string(group));
+    layout.group = group;
+  } else {
+    layout.group = layout.kp;
+  }
+  nblocks = (N + kBlockN - 1) / kBlockN;
+  data.get(static_cast<size_t>(E) * nblocks * layout.block_bytes());
+  if (fmt != Format::bf16) scales.get(static_cast<size_t>(E) * nblocks * layout.block_scales());
+}
+
+float* PackedWeights::tile_scratch() const {
+  thread_local Buffer<float> tile;
+  return tile.get(static_cast<size_t>(kBlockN) * layout.kp);
+}
+
+void PackedWeights::quantize_block(int e, int b, const float* tile) {
+  const Layout& l = layout;
+  const int kp = l.kp, ng = l.ngroups();
+  const size_t bi = static_cast<size_t>(e) * nblocks + b;
+  uint8_t* w = data.data() + bi * l.block_bytes();
+  float* s = l.fmt == Format::bf16 ? nullptr : scales.data() + bi * l.block_scales();
+  // Scales first: per column (int8), per column and group (int4), per group of the whole block (fp8).
+  for (int g = 0; g < ng; ++g) {
+    const int k0 = g * l.group, kn = std::min(l.group, kp - k0);
+    float block_max = 0.f;
+    if (l.fmt == Format::fp8)
+      for (int c = 0; c < kBlockN; ++c) block_max = std::max(block_max, amax(tile + c * kp + k0, kn));
+    for (int c = 0; c < kBlockN && s; ++c) {
+      const float a = l.fmt == Format::fp8 ? block_max : amax(tile + c * kp + k0, kn);
+      const float qmax = l.fmt == Format::int8 ? 127.f : l.fmt == Format::int4 ? 7.f : 448.f;
+      s[g * kBlockN + c] = a > 0.f ? a / qmax : 1.f;
+    }
+  }
+  for (int kk = 0; kk < kp / 2; ++kk) {
+    uint8_t* row = w + static_cast<size_t>(kk) * l.row_bytes();
+    for (int i = 0; i < 2 * kBlockN; ++i) {
+      const int c = i / 2, k = 2 * kk + i % 2;
+      const float v = tile[c * kp + k];
+      const float q = s ? v / s[(k / l.group) * kBlockN + c] : v;
+      switch (l.fmt) {
+        case Format::bf16: {
+          const bf16 h = f32_to_bf16(q);
+          std::memcpy(row + 2 * i, &h, 2);
+          break;
+        }
+        case Format::int8: row[i] = static_cast<uint8_t>(static_cast<int8_t>(std::clamp(std::nearbyint(q), -127.f, 127.f))); break;
+        case Format::fp8: row[i] = f32_to_e4m3(q); break;
+        case Format::int4: {
+          const int nib = static_cast<int>(std::clamp(std::nearbyint(q), -8.f, 7.f)) + 8;
+          const int v4 = i / 32, lane = i % 32;
+          if (v4 == 0) row[2 * lane] = row[2 * lane + 1] = 0;
+          row[2 * lane + v4 / 2] |= static_cast<uint8_t>(nib << (4 * (v4 % 2)));
+          break;
+        }
+      }
+    }
+  }
+}
+
+void PackedWeights::pack_fp8(int e, const uint8_t* w, int64_t ldw, const float* scale_inv, int64_t ld_scale, int bn) {
+  const Layout& l = layout;
+  if (l.fmt != Format::fp8) fail("pack_fp8: these weights are not fp8");
+  if (bn < 1) fail("pack_fp8: block rows must be >= 1");
+  for (int b = 0; b < nblocks; ++b) {
+    const size_t bi = static_cast<size_t>(e) * nblocks + b;
+    uint8_t* dst = data.data() + bi * l.block_bytes();
+    float* s = scales.data() + bi * l.block_scales();
+    for (int g = 0; g < l.ngroups(); ++g)
+      for (int c = 0; c < kBlockN; ++c) {
+        const int n = b * kBlockN + c;
+        s[g * kBlockN + c] = n < N ? scale_inv[static_cast<int64_t>(n / bn) * ld_scale + g] : 1.f;
+      }
+    for (int kk = 0; kk < l.kp / 2; ++kk)
+      for (int i = 0; i < 2 * kBlockN; ++i) {
+        const int n = b * kBlockN + i / 2, k = 2 * kk + i % 2;
+        dst[static_cast<size_t>(kk) * l.row_bytes() + i] = (n < N && k < K) ? w[static_cast<int64_t>(n) * ldw + k] : 0;
+      }
+  }
+}
+
+float PackedWeights::at(int e, int n, int k) const {
+  const Block blk = block(e, n / kBlockN);
+  const int i = 2 * (n % kBlockN) + k % 2;
+  return block_value(layout, blk.w, k / 2, i) * block_scale(layout, blk, k / layout.group, i);
+}
+
+namespace {
+
+// Many rows: the block decoded a group at a time (int8: 256 K values) into bf16, the bf16 microkernel over the
+// group, its partial product scaled into C.
+void decoded_gemm(const Kernels& kern, int M, const bf16* A, int64_t lda, const Layout& l, Block b, float* C,
+                  int64_t ldc) {
+  const int chunk = l.fmt == Format::int8 ? std::min(l.kp, 256) : l.group;
+  thread_local Buffer<bf16> decoded;
+  thread_local float part[64 * kBlockN];  // M <= 64 (kRowBlock)
+  bf16* d = decoded.get(static_cast<size_t>(chunk) * kBlockN);
+  for (int k0 = 0; k0 < l.kp; k0 += chunk) {
+    const int kc = std::min(chunk, l.kp - k0);
+    kern.decode_rows(l, b.w, k0 / 2, (k0 + kc) / 2, d);
+    kern.gemm_block(M, A + k0, lda, d, kc, part, kBlockN);
+    const float* s = b.s + (k0 / l.group) * kBlockN;
+    for (int m = 0; m < M; ++m) {
+      float* c = C + m * ldc;
+      const float* p = part + m * kBlockN;
+      if (k0 == 0)
+        for (int j = 0; j < kBlockN; ++j) c[j] = p[j] * s[j];
+      else
+        for (int j = 0; j < kBlockN; ++j) c[j] += p[j] * s[j];
+    }
+  }
+}
+
+}  // namespace
+
+void gemm_block(const Kernels& kern, int M, const bf16* A, int64_t lda, const PackedWeights& W, int e, int cb,
+                float* C, int64_t ldc) {
+  if (M <= 0) return;
+  const Layout& l = W.layout;
+  if (l.fmt == Format::bf16) return kern.gemm_block(M, A, lda, W.bf16_block(e, cb), l.kp, C, ldc);
+  if (M < kDecodeRows) return kern.qgemm_block(M, A, lda, l, W.block(e, cb), C, ldc);
+  decoded_gemm(kern, M, A, lda, l, W.block(e, cb), C, ldc);
+}
+
+void gemm_block_pair(const Kernels& kern, int M, const bf16* A0, const bf16* A1, int64_t lda, const PackedWeights& W0,
+                     int e0, const PackedWeights& W1, int e1, int cb, float* C0, float* C1, int64_t ldc) {
+  if (M <= 0) return;
+  const Layout& l = W0.layout;
+  if (l.fmt == Format::bf16)
+    return kern.gemm_block_pair(M, A0, A1, lda, W0.bf16_block(e0, cb), W1.bf16_block(e1, cb), l.kp, C0, C1, ldc);
+  if (M <= kPairRows) return kern.qgemm_block_pair(M, A0, A1, lda, l, W0.block(e0, cb), W1.block(e1, cb), C0, C1, ldc);
+  gemm_block(kern, M, A0, lda, W0, e0, cb, C0, ldc);
+  gemm_block(kern, M, A1, lda, W1, e1, cb, C1, ldc);
+}
+
+}  // namespace kt

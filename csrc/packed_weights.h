@@ -1,0 +1,63 @@
+// A weight matrix of every expert, packed once in one format (weight_format.h), and the GEMM over one of its
+// 64-column blocks that the MoE phases call (gemm_block / gemm_block_pair below: the one place that picks a
+// microkernel by format and row count).
+#pragma once
+#include <cstdint>
+
+#include "buffer.h"
+#include "kernels.h"
+#include "weight_format.h"
+
+namespace kt {
+
+struct PackedWeights {
+  int E = 0, N = 0, K = 0, nblocks = 0;
+  Layout layout;
+  Buffer<uint8_t> data;
+  Buffer<float> scales;
+
+  // group: K values per scale group for fp8 / int4 (a multiple of 64); ignored for bf16 and int8.
+  void init(int E, int N, int K, Format fmt = Format::bf16, int group = 0);
+  int kp() const { return layout.kp; }
+  Block block(int e, int b) const {
+    const size_t i = static_cast<size_t>(e) * nblocks + b;
+    return {data.data() + i * layout.block_bytes(), layout.fmt == Format::bf16 ? nullptr : scales.data() + i * layout.block_scales()};
+  }
+  const bf16* bf16_block(int e, int b) const { return reinterpret_cast<const bf16*>(block(e, b).w); }
+
+  // Packs expert e from get(n, k) -> float (n < N, k < K), quantized by the format's rule (packed_weights.cpp).
+  // Thread-safe across experts.
+  template <typename Get>
+  void pack(int e, Get&& get) {
+    float* tile = tile_scratch();
+    for (int b = 0; b < nblocks; ++b) {
+      for (int c = 0; c < 64; ++c) {
+        const int n = b * 64 + c;
+        for (int k = 0; k < layout.kp; ++k) tile[static_cast<size_t>(c) * layout.kp + k] = (n < N && k < K) ? get(n, k) : 0.f;
+      }
+      quantize_block(e, b, tile);
+    }
+  }
+  // Packs fp8 expert e as a checkpoint stores it (layout.fmt must be fp8 with group = bk): e4m3 bytes
+  // w[n * ldw + k], and scale_inv[(n / bn) * ld_scale + k / bk], the fp32 dequantization scale of each
+  // bn × bk block. The bytes are copied, not re-rounded.
+  void pack_fp8(int e, const uint8_t* w, int64_t ldw, const float* scale_inv, int64_t ld_scale, int bn);
+
+  float at(int e, int n, int k) const;  // the dequantized value W[n][k] of expert e
+  size_t bytes() const { return data.bytes() + scales.bytes(); }
+
+ private:
+  float* tile_scratch() const;  // thread-local [64][kp] floats
+  void quantize_block(int e, int b, const float* tile);
+};
+
+// C[m][c] = Σ_k A[m][k] · W[cb·64 + c][k] for block cb of expert e, m < M (the kernels.h gemm_block contract:
+// A rows of W.kp() bf16 values, the padding zero; 64 columns of C written).
+void gemm_block(const Kernels& kern, int M, const bf16* A, int64_t lda, const PackedWeights& W, int e, int cb,
+                float* C, int64_t ldc);
+// Block cb of experts e0 and e1 on their own rows (A0, A1; gate and up pass the same rows and two matrices
+// through W0 / W1).
+void gemm_block_pair(const Kernels& kern, int M, const bf16* A0, const bf16* A1, int64_t lda, const PackedWeights& W0,
+                     int e0, const PackedWeights& W1, int e1, int cb, float* C0, float* C1, int64_t ldc);
+
+}  // namespace kt
