@@ -1,7 +1,8 @@
 """Benchmark of the MoE-LoRA kernel: forward and forward+backward against a plain torch bf16 per-expert loop and
 (when installed) kt-kernel 0.7.2, measured in the same run, plus the share of the roofline reached.
 
-    python evals/bench_kernel.py [--tokens 1 8 64 512] [--isa avx512_bf16,avx2,portable] [--json FILE] [--threads N]
+    python evals/bench_kernel.py [--tokens 1 8 64 512] [--isa avx512_bf16,avx2,portable] [--formats bf16,int8,int4,fp8]
+                                 [--json FILE] [--threads N]
 
 Default shape: H=2048, I=768, E=64, top-8, r=8 (Qwen3-30B-A3B's experts). Each implementation gets ``--layers``
 independent weight sets and cycles through them call by call, as a model does, so the weights are not served
@@ -9,7 +10,12 @@ from a cache larger than one layer (this machine's L3 can hold most of one). Tim
 ``vs_*`` = baseline time / our time (above 1 means kt_serve is faster). The roofline is max(bytes of the experts
 touched / measured memory bandwidth, FLOPs / measured bf16 GEMM peak), both measured here with torch.
 ``--isa`` takes a comma list of kernel tables: each gets its own row set (the baselines are measured once), then
-every table's time over the first one's per T.
+every table's time over the first one's per T. ``--formats`` takes a comma list of base-weight formats (bf16, int8,
+int4, fp8; csrc/weight_format.h): each (table, format) gets its row set, then each format's speed-up over bf16
+on the same table. The torch baseline runs bf16 weights; kt-kernel runs its class for the same format (bf16
+AMXBF16_SFT, int8 INT8_SFT, int4 AMXINT4_SFT or ``--kt-int4 RAWINT4_SFT``, fp8 AMXFP8_SFT; see KTKernel), and
+``vs_kt`` compares same-format rows. Run it from a venv holding kt-kernel (launch/install_kt_kernel.sh:
+``.venv-kt/bin/python evals/bench_kernel.py ...``).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 from kt_serve.cpu_threads import share_cores_with_torch
@@ -63,9 +70,14 @@ def measure_bf16_peak_gflops() -> float:
     return 2 * 512 * 2048 * 1536 / (best / 1e3) / 1e9
 
 
-def roofline_ms(T, E, H, I, k, r, bw_gbs, peak_gflops, op):
+# Bytes per base weight of each format: values plus their fp32 scales (int4 and fp8 at group 128, fp8's scales
+# stored per column like int4's).
+WEIGHT_BYTES = {"bf16": 2.0, "int8": 1.0, "fp8": 1.0 + 4 / 128, "int4": 0.5 + 4 / 128}
+
+
+def roofline_ms(T, E, H, I, k, r, bw_gbs, peak_gflops, op, fmt="bf16"):
     touched = E * (1 - (1 - k / E) ** T)  # expected distinct experts under uniform top-k
-    bytes_ = touched * (3 * H * I + 3 * r * (H + I)) * 2
+    bytes_ = touched * (3 * H * I * WEIGHT_BYTES[fmt] + 3 * r * (H + I) * 2)
     flops = 2 * T * k * 3 * H * I
     one = max(bytes_ / bw_gbs / 1e9, flops / peak_gflops / 1e9) * 1e3
     # backward with frozen base weights re-reads the touched weights and does ~2× the base FLOPs of forward
@@ -99,27 +111,91 @@ def torch_loop(x, ids, w, gate, up, down, lora, scale):
     return out.to(x.dtype)
 
 
-class KTKernel:
-    """kt-kernel 0.7.2's SFT MoE (AMXSFTMoEWrapper), when importable."""
+# kt-kernel 0.7.2's SFT method for each of our formats. On a CPU without AMX the wheel loads its avx512_bf16 build,
+# whose "AMX" classes run AVX512 kernels (all five here run on an AVX512-BF16 / VNNI CPU). int8 and AMXINT4_SFT scale
+# per output channel; --kt-int4 RAWINT4_SFT takes kt's group-32 int4 instead (LoRA rank 8 only).
+KT_METHODS = {"bf16": "AMXBF16_SFT", "int8": "INT8_SFT", "int4": "AMXINT4_SFT", "fp8": "AMXFP8_SFT"}
 
-    def __init__(self, gate, up, down, lora, alpha, T_max, threads, topk):
+
+def fp8_blocks(W, block=128):
+    """[E, N, K] -> e4m3 [E, N, K] and fp32 scales [E, N/128, K/128] (W = q · s), as an FP8 checkpoint stores them."""
+    E, N, K = W.shape
+    b = W.float().reshape(E, N // block, block, K // block, block)
+    s = b.abs().amax(dim=(2, 4)).clamp_min(1e-12) / 448
+    return (b / s[:, :, None, :, None]).to(torch.float8_e4m3fn).reshape(E, N, K), s.contiguous()
+
+
+def int4_groups(W, group=32):
+    """[E, N, K] -> signed symmetric int4 in bytes [E, N, K/2] (q + 8, low nibble first, compressed-tensors'
+    pack-quantized order) and bf16 scales [E, N, K/group]."""
+    E, N, K = W.shape
+    b = W.float().reshape(E, N, K // group, group)
+    s = (b.abs().amax(-1).clamp_min(1e-12) / 7).bfloat16()
+    q = ((b / s.float()[..., None]).round().clamp(-8, 7) + 8).to(torch.uint8).reshape(E, N, K)
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).contiguous(), s.contiguous()
+
+
+class KTKernel:
+    """kt-kernel 0.7.2's SFT MoE (AMXSFTMoEWrapper) running ``method`` on one weight set, when importable. How each
+    method takes its base weights: AMXBF16_SFT the bf16 tensors; AMXINT4_SFT the bf16 tensors, quantized by kt at
+    load; INT8_SFT only pre-quantized .kt files, written here by kt's own quantizer (the inference AMXInt8_MOE with
+    save=True, what kt's convert_cpu_weights.py runs through a wrapper that needs CUDA pinned memory); AMXFP8_SFT e4m3
+    with 128 × 128 block scales and RAWINT4_SFT packed group-32 int4, both quantized here (fp8_blocks, int4_groups).
+    INT8 and FP8 require share_backward_bb (backward repacks the transposed weights into one buffer shared by the
+    layers, which then need distinct layer ids)."""
+
+    def __init__(self, method, layer_idx, gate, up, down, lora, alpha, T_max, threads, topk):
         from kt_kernel.sft.amx import AMXSFTMoEWrapper
 
         E, I, H = gate.shape
         r = lora["gate_a"].shape[1]
-        self.w = AMXSFTMoEWrapper(
-            layer_idx=0, num_experts=E, num_experts_per_tok=topk, hidden_size=H, moe_intermediate_size=I,
-            num_gpu_experts=0, cpuinfer_threads=threads, threadpool_count=1, weight_path=None,
-            chunked_prefill_size=T_max, lora_rank=r, lora_alpha=alpha, method="AMXBF16_SFT",
-        )
-        self.grads = {f"grad_{n}": torch.zeros_like(v) for n, v in lora.items()}
-        kt_names = {"gate_a": "gate_lora_a", "gate_b": "gate_lora_b", "up_a": "up_lora_a", "up_b": "up_lora_b",
-                    "down_a": "down_lora_a", "down_b": "down_lora_b"}
-        self.w.init_lora_weights(
-            **{kt_names[n]: v for n, v in lora.items()}, **{f"grad_{kt_names[n]}": g for n, g in
-                                                            zip(lora, self.grads.values())}
-        )
-        self.w.load_weights_from_tensors(gate, up, down, torch.arange(E))
+        experts = torch.arange(E)
+        with tempfile.TemporaryDirectory() as kt_dir:  # INT8_SFT's .kt files, read into memory by load_weights
+            self.w = AMXSFTMoEWrapper(
+                layer_idx=layer_idx, num_experts=E, num_experts_per_tok=topk, hidden_size=H, moe_intermediate_size=I,
+                num_gpu_experts=0, cpuinfer_threads=threads, threadpool_count=1, weight_path=kt_dir,
+                chunked_prefill_size=T_max, lora_rank=r, lora_alpha=alpha, method=method,
+            )
+            self.w.share_backward_bb = method in ("INT8_SFT", "AMXFP8_SFT")  # read when the C++ object is built
+            self.grads = {f"grad_{n}": torch.zeros_like(v) for n, v in lora.items()}
+            kt_names = {"gate_a": "gate_lora_a", "gate_b": "gate_lora_b", "up_a": "up_lora_a", "up_b": "up_lora_b",
+                        "down_a": "down_lora_a", "down_b": "down_lora_b"}
+            self.w.init_lora_weights(
+                **{kt_names[n]: v for n, v in lora.items()}, **{f"grad_{kt_names[n]}": g for n, g in
+                                                                zip(lora, self.grads.values())}
+            )
+            projs = {"gate": gate, "up": up, "down": down}
+            if method == "INT8_SFT":
+                self._write_int8_kt(kt_dir, layer_idx, gate, up, down, topk, experts)
+                self.w.load_weights(experts)
+            elif method == "AMXFP8_SFT":
+                from kt_kernel.sft.weights import BlockFP8ExpertWeights
+
+                q = {n: fp8_blocks(t) for n, t in projs.items()}
+                self.w.load_block_fp8_weights(BlockFP8ExpertWeights(
+                    **{f"{n}_proj": list(v[0]) for n, v in q.items()},
+                    **{f"{n}_scale": list(v[1]) for n, v in q.items()}), experts)
+            elif method == "RAWINT4_SFT":
+                from kt_kernel.sft.weights import RAWINT4ExpertWeights
+
+                q = {n: int4_groups(t) for n, t in projs.items()}
+                self.w.load_rawint4_weights(RAWINT4ExpertWeights(
+                    **{f"{n}_proj": v[0] for n, v in q.items()}, **{f"{n}_scale": v[1] for n, v in q.items()}), experts)
+            else:
+                self.w.load_weights_from_tensors(gate, up, down, experts)
+
+    def _write_int8_kt(self, path, layer_idx, gate, up, down, topk, experts):
+        from kt_kernel_ext.moe import MOEConfig, AMXInt8_MOE
+
+        E, I, H = gate.shape
+        on_gpu = torch.zeros(E, dtype=torch.bool)
+        cfg = MOEConfig(E, topk, H, I, on_gpu.data_ptr())
+        cfg.layer_idx, cfg.pool, cfg.max_len = layer_idx, self.w.cpu_infer.backend_, self.w._aligned_max_len()
+        cfg.save, cfg.load, cfg.path = True, False, path
+        cfg.gate_proj, cfg.up_proj, cfg.down_proj = gate.data_ptr(), up.data_ptr(), down.data_ptr()
+        quantizer = AMXInt8_MOE(cfg)
+        self.w.cpu_infer.submit(quantizer.load_weights_task(experts.data_ptr()))
+        self.w.cpu_infer.sync()
 
     def forward(self, x, ids, w, save=False):
         return self.w.forward(x, ids, w, save_for_backward=save)
@@ -129,11 +205,13 @@ class KTKernel:
         return self.w.backward(gy)
 
 
-def load_kt(gate, up, down, lora, alpha, T_max, threads, topk):
+def load_kt(method, weights, lora, alpha, T_max, threads, topk, first_layer):
+    """One KTKernel per weight set (layer ids from first_layer on), or ([], why) when kt-kernel cannot run it."""
     try:
-        return KTKernel(gate, up, down, lora, alpha, T_max, threads, topk), None
-    except Exception as exc:  # not installed, or no usable build for this CPU
-        return None, f"{type(exc).__name__}: {exc}"
+        return [KTKernel(method, first_layer + i, *w, lora, alpha, T_max, threads, topk)
+                for i, w in enumerate(weights)], None
+    except Exception as exc:  # not installed, or no usable build / method for this CPU
+        return [], f"{type(exc).__name__}: {exc}"
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -152,11 +230,15 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=3, help="independent weight sets cycled call by call")
     ap.add_argument("--isa", default="auto",
                     help="kernel table(s), comma separated (auto, portable, avx2, avx512_bf16, amx_bf16)")
+    ap.add_argument("--formats", default="bf16", help="base weight format(s), comma separated (bf16, int8, int4, fp8)")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch bf16 baseline")
     ap.add_argument("--no-kt", action="store_true", help="skip kt-kernel even if installed")
+    ap.add_argument("--kt-int4", default="AMXINT4_SFT", choices=("AMXINT4_SFT", "RAWINT4_SFT"),
+                    help="kt-kernel's class for int4: per-channel AMXINT4_SFT, or group-32 RAWINT4_SFT (rank 8 only)")
     ap.add_argument("--json", help="also write the rows as JSON to this file")
     args = ap.parse_args(argv)
     isas = [s.strip() for s in args.isa.split(",") if s.strip()]
+    formats = [s.strip() for s in args.formats.split(",") if s.strip()]
 
     set_num_threads(args.threads)
     threads = num_threads()
@@ -184,25 +266,29 @@ def main(argv=None) -> int:
 
     grads = ExpertLoRA(*(torch.zeros(v.shape) for v in lora.values()), alpha=alpha)
 
-    def build_ours(isa):
+    def build_ours(isa, fmt):
         mods = []
         for gate, up, down in weights:
-            m = MoEExperts(gate, up, down, max_tokens=max(args.tokens), isa=isa)
+            m = MoEExperts(gate, up, down, max_tokens=max(args.tokens), isa=isa, weight_format=fmt)
             m.set_adapter(0, lora_obj)
             m.set_grad_buffers(0, grads)
             mods.append(m)
         return mods
 
-    kts, kt_err = [], "skipped (--no-kt)"
-    if not args.no_kt:
-        for gate, up, down in weights:
-            kt, kt_err = load_kt(gate, up, down, lora, alpha, max(args.tokens), threads, k)
-            if kt is None:
-                kts = []
-                break
-            kts.append(kt)
-    if not kts:
-        print(f"kt-kernel: not measured ({kt_err})", flush=True)
+    kt_methods = {**KT_METHODS, "int4": args.kt_int4}
+    kt_layers = [0]  # layer ids handed out: layers sharing kt's backward buffer need distinct ones
+
+    def build_kt(fmt):
+        if args.no_kt:
+            return []
+        kts, err = load_kt(kt_methods[fmt], weights, lora, alpha, max(args.tokens), threads, k, kt_layers[0])
+        kt_layers[0] += L
+        print(f"kt-kernel {fmt}: {kt_methods[fmt]} " + (f"({L} layers loaded)" if kts else f"not measured ({err})"),
+              flush=True)
+        return kts
+
+    if args.no_kt:
+        print("kt-kernel: not measured (--no-kt)", flush=True)
     cycle = {"ours": 0, "torch": 0, "kt": 0}
 
     def next_layer(name):
@@ -219,9 +305,11 @@ def main(argv=None) -> int:
         w = (w / w.sum(-1, keepdim=True)).float().contiguous()
         inputs[T] = (x, ids.contiguous(), w, torch.randn(T, H, generator=g).bfloat16())
 
-    rows, baselines = [], {}  # baselines[(T, op)] = (torch min ms, kt min ms), measured with the first table
-    for isa in isas:
-        ours = build_ours(isa)  # one table's packed weights at a time
+    # torch_ms[T, op] (bf16) and kt_ms[T, op, fmt] (kt-kernel's class for fmt): min ms, measured with the first table
+    rows, torch_ms, kt_ms = [], {}, {}
+    for isa, fmt in [(i, f) for i in isas for f in formats]:
+        ours = build_ours(isa, fmt)  # one table's packed weights at a time
+        kts = build_kt(fmt) if isa == isas[0] else []
         for T in args.tokens:
             x, ids, w, gy = inputs[T]
             rep = args.repeats if T <= 64 else max(3, args.repeats // 2)
@@ -254,15 +342,16 @@ def main(argv=None) -> int:
                 ("fwd_bwd", ours_fb, torch_fb, kt_fb if kts else None),
             ):
                 o_min, o_med = timeit(fn_ours, rep)
-                if (T, op) not in baselines:
-                    t_min = None if args.no_torch else timeit(fn_torch, rep)[0]
-                    k_min = None if fn_kt is None else timeit(fn_kt, rep)[0]
-                    baselines[T, op] = (t_min, k_min)
-                t_min, k_min = baselines[T, op]
-                roof = roofline_ms(T, E, H, I, k, r, bw, peak, op)
+                if (T, op) not in torch_ms:
+                    torch_ms[T, op] = None if args.no_torch else timeit(fn_torch, rep)[0]
+                if fn_kt is not None and (T, op, fmt) not in kt_ms:
+                    kt_ms[T, op, fmt] = timeit(fn_kt, rep)[0]
+                t_min, k_min = torch_ms[T, op], kt_ms.get((T, op, fmt))
+                roof = roofline_ms(T, E, H, I, k, r, bw, peak, op, fmt)
                 row = {
-                    "isa": ours[0].isa, "T": T, "op": op, "ms": round(o_min, 3), "ms_median": round(o_med, 3),
+                    "isa": ours[0].isa, "format": fmt, "T": T, "op": op, "ms": round(o_min, 3), "ms_median": round(o_med, 3),
                     "torch_ms": None if t_min is None else round(t_min, 3),
+                    "kt_method": None if k_min is None else kt_methods[fmt],
                     "kt_ms": None if k_min is None else round(k_min, 3),
                     "vs_torch": None if t_min is None else round(t_min / o_min, 3),
                     "vs_kt": None if k_min is None else round(k_min / o_min, 3),
@@ -270,36 +359,47 @@ def main(argv=None) -> int:
                     "tok_per_s": round(T / (o_min / 1e3), 1),
                 }
                 rows.append(row)
-                print(f"{row['isa']:11s} T={T:4d} {op:8s} ours {o_min:8.2f} / {o_med:8.2f} ms | torch bf16 "
+                print(f"{row['isa']:11s} {fmt:4s} T={T:4d} {op:8s} ours {o_min:8.2f} / {o_med:8.2f} ms | torch bf16 "
                       + (f"{t_min:8.2f} ms (x{row['vs_torch']:.2f})" if t_min is not None else "     n/a")
                       + " | kt-kernel "
                       + (f"{k_min:8.2f} ms (x{row['vs_kt']:.2f})" if k_min is not None else "     n/a")
                       + f" | roofline {roof:7.2f} ms = {row['roofline_pct']:.0f}%", flush=True)
-        del ours
+        del ours, kts
 
     def fmt(v, suffix=""):
         return "n/a" if v is None else f"{v:.2f}{suffix}"
 
     print()
-    print("| isa | T | op | ours ms (min/median) | torch bf16 ms | vs torch | kt-kernel ms | vs kt | roofline ms "
-          "| % roofline |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| isa | format | T | op | ours ms (min/median) | torch bf16 ms | vs torch | kt-kernel ms | vs kt "
+          "| roofline ms | % roofline |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r_ in rows:
-        print(f"| {r_['isa']} | {r_['T']} | {r_['op']} | {r_['ms']:.2f} / {r_['ms_median']:.2f} | "
+        print(f"| {r_['isa']} | {r_['format']} | {r_['T']} | {r_['op']} | {r_['ms']:.2f} / {r_['ms_median']:.2f} | "
               f"{fmt(r_['torch_ms'])} | {fmt(r_['vs_torch'], 'x')} | {fmt(r_['kt_ms'])} | {fmt(r_['vs_kt'], 'x')} | "
               f"{r_['roofline_ms']:.2f} | {r_['roofline_pct']:.0f}% |")
     names = list(dict.fromkeys(r_["isa"] for r_ in rows))
-    if len(names) > 1:  # each table's time over the first one's (above 1: slower than the first)
-        ms = {(r_["isa"], r_["T"], r_["op"]): r_["ms"] for r_ in rows}
+    ms = {(r_["isa"], r_["format"], r_["T"], r_["op"]): r_["ms"] for r_ in rows}
+    if len(names) > 1:  # each table's time over the first one's, per format (above 1: slower than the first)
         print()
-        print("| T | op | " + " | ".join(f"{n} / {names[0]}" for n in names[1:]) + " |")
-        print("|---|---|" + "---|" * (len(names) - 1))
-        for T in args.tokens:
-            for op in ("fwd", "fwd_bwd"):
-                print(f"| {T} | {op} | " + " | ".join(f"{ms[n, T, op] / ms[names[0], T, op]:.2f}x" for n in names[1:])
-                      + " |")
+        print("| format | T | op | " + " | ".join(f"{n} / {names[0]}" for n in names[1:]) + " |")
+        print("|---|---|---|" + "---|" * (len(names) - 1))
+        for fmt in formats:
+            for T in args.tokens:
+                for op in ("fwd", "fwd_bwd"):
+                    print(f"| {fmt} | {T} | {op} | "
+                          + " | ".join(f"{ms[n, fmt, T, op] / ms[names[0], fmt, T, op]:.2f}x" for n in names[1:]) + " |")
+    quantized = [f for f in formats if f != "bf16"]
+    if "bf16" in formats and quantized:  # each format's speed-up over bf16 on the same table (above 1: faster)
+        print()
+        print("| isa | T | op | " + " | ".join(f"{f} speed-up over bf16" for f in quantized) + " |")
+        print("|---|---|---|" + "---|" * len(quantized))
+        for n in names:
+            for T in args.tokens:
+                for op in ("fwd", "fwd_bwd"):
+                    print(f"| {n} | {T} | {op} | "
+                          + " | ".join(f"{ms[n, 'bf16', T, op] / ms[n, f, T, op]:.2f}x" for f in quantized) + " |")
     if args.json:
-        keys = ("isa", "T", "op", "ms", "vs_torch", "vs_kt", "roofline_pct")
+        keys = ("isa", "format", "T", "op", "ms", "vs_torch", "kt_method", "vs_kt", "roofline_pct")
         with open(args.json, "w") as f:
             json.dump([{k_: r_[k_] for k_ in keys} for r_ in rows], f, indent=2)
         print(f"wrote {args.json}")
