@@ -82,5 +82,7 @@ void Buffer<T>::release() {
 template class Buffer<uint16_t>;
 template class Buffer<float>;
 template class Buffer<uint8_t>;
+template class Buffer<int16_t>;
+template class Buffer<int32_t>;
 
 }  // namespace kt

@@ -37,10 +37,21 @@ bool cpu_has_avx512_bf16() {
   __asm__ volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
   if ((xcr0_lo & 0xe6u) != 0xe6u) return false;  // OS saves XMM/YMM/opmask/ZMM state
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  const bool f = b & (1u << 16), bw = b & (1u << 30), vl = b & (1u << 31);
-  if (!(f && bw && vl)) return false;
+  const bool f = b & (1u << 16), dq = b & (1u << 17), bw = b & (1u << 30), vl = b & (1u << 31);
+  const bool vnni = c & (1u << 11);  // every AVX512-BF16 CPU has it (Cooper Lake, Sapphire Rapids, Zen 4)
+  if (!(f && dq && bw && vl && vnni)) return false;
   if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
-  return a & (1u << 5);  // AVX512_BF16
+  return a & (1u << 5);  // AVX512_BF16 (with F, DQ, BW, VL and VNNI, the flags kernels_avx512bf16.cpp is built with)
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_avx512_vbmi() {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned a, b, c, d;
+  if (!cpu_has_avx512_bf16() || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  return c & (1u << 1);  // AVX512_VBMI
 #else
   return false;
 #endif
@@ -92,6 +103,9 @@ const Kernels* kernels_avx512_bf16() { return nullptr; }  // not built for this 
 #endif
 #ifndef KT_HAVE_AMX_BF16
 const Kernels* kernels_amx_bf16() { return nullptr; }
+#endif
+#ifndef KT_HAVE_AVX512_VBMI
+bool kernels_avx512_vbmi_built() { return false; }
 #endif
 #ifndef KT_HAVE_AVX2
 const Kernels* kernels_avx2() { return nullptr; }

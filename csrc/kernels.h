@@ -33,6 +33,28 @@ inline bf16 f32_to_bf16(float f) {  // round to nearest even, NaN stays NaN
   return static_cast<bf16>(u >> 16);
 }
 
+// Input rows of the integer formats (int8, int4): x ≈ scale · q with q int16, rows ld values apart, one scale per
+// row, and the sums of q over each 32 K values (rows ld / 32 apart; what int4's minimums multiply). A call's
+// rows are quantized once (Kernels::quantize_rows) and read by every block of the matrix.
+struct Int16Rows {
+  const int16_t* q = nullptr;
+  const int32_t* sums = nullptr;
+  const float* scale = nullptr;
+  int64_t ld = 0;
+
+  int32_t pair(int m, int kk) const {  // the K pair (2kk, 2kk + 1) of row m, as vpdpwssd / vpmaddwd take it
+    int32_t v;
+    std::memcpy(&v, q + m * ld + 2 * kk, 4);
+    return v;
+  }
+  int32_t sum(int m, int k0, int k1) const {  // Σ q over K values [k0, k1) of row m (multiples of 32)
+    int32_t s = 0;
+    for (int c = k0 / 32; c < k1 / 32; ++c) s += sums[m * (ld / 32) + c];
+    return s;
+  }
+  Int16Rows from(int m0) const { return {q + m0 * ld, sums + m0 * (ld / 32), scale + m0, ld}; }
+};
+
 struct Kernels {
   const char* name;
 
@@ -73,11 +95,17 @@ struct Kernels {
   // Quantized blocks (weight_format.h: int8, int4, fp8), for the few rows of decode: the contract of gemm_block
   // and gemm_block_pair with the block's scales applied, values decoded in registers. With many rows
   // packed_weights.cpp decodes a block once (decode_rows) and runs gemm_block instead.
-  void (*qgemm_block)(int M, const bf16* A, int64_t lda, const Layout& l, Block b, float* C, int64_t ldc);
-  void (*qgemm_block_pair)(int M, const bf16* A0, const bf16* A1, int64_t lda, const Layout& l, Block b0, Block b1,
-                           float* C0, float* C1, int64_t ldc);
+  // X (X0, X1): the integer formats' quantized A rows, or null to have them quantized here.
+  void (*qgemm_block)(int M, const bf16* A, int64_t lda, const Int16Rows* X, const Layout& l, Block b, float* C,
+                      int64_t ldc);
+  void (*qgemm_block_pair)(int M, const bf16* A0, const bf16* A1, int64_t lda, const Int16Rows* X0,
+                           const Int16Rows* X1, const Layout& l, Block b0, Block b1, float* C0, float* C1,
+                           int64_t ldc);
   // Rows [kk0, kk1) of a quantized block as unscaled bf16 values (exact for every format) in the bf16 layout.
   void (*decode_rows)(const Layout& l, const uint8_t* w, int kk0, int kk1, bf16* out);
+  // M rows of kp (a multiple of 32) bf16 values to Int16Rows form: q [M][kp], sums [M][kp / 32], scale [M]
+  // (scale = amax / 32767: every bit of a bf16 input kept, error below 2^-15 of the row's largest value).
+  void (*quantize_rows)(int M, const bf16* A, int64_t lda, int kp, int16_t* q, int32_t* sums, float* scale);
 };
 
 const Kernels& kernels_portable();
@@ -90,6 +118,8 @@ const Kernels* kernels_avx2();         // nullptr when this build has no AVX2 pa
 const Kernels& select_kernels(const char* requested /* nullptr or "auto" = best */);
 bool cpu_has_avx2_fma();
 bool cpu_has_avx512_bf16();
-bool cpu_has_amx_bf16();  // also obtains the Linux permission to use tile data
+bool cpu_has_amx_bf16();
+bool cpu_has_avx512_vbmi();         // byte permutes: the fp8 row decoder of the AVX512 table uses them
+bool kernels_avx512_vbmi_built();   // whether this build has that decoder  // also obtains the Linux permission to use tile data
 
 }  // namespace kt

@@ -66,22 +66,14 @@ constexpr int kKC = 64;
 // array in memory and stores it every K step.
 #define KT_UNROLL _Pragma("GCC unroll 16")
 
-// Row decoders, one per weight format (weight_format.h): column group v (< 8) of one K-pair row of a block as
-// fp32, its even-K values in `even` and odd-K values in `odd` (8 columns each), exact.
+// Row decoders of the fp32 path (bf16, fp8; weight_format.h): column group v (< 8) of one K-pair row of a block
+// as fp32, its even-K values in `even` and odd-K values in `odd` (8 columns each), exact.
 struct Bf16Row {
   static constexpr int kRowBytes = 256;
   static void split(const uint8_t* row, int v, __m256& even, __m256& odd) {
     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * v));
     even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
     odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
-  }
-};
-struct Int8Row {  // 16 bytes sign-extended to one int16 each: even K in the low half of a 32-bit lane
-  static constexpr int kRowBytes = 128;
-  static void split(const uint8_t* row, int v, __m256& even, __m256& odd) {
-    const __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * v)));
-    even = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(x, 16), 16));
-    odd = _mm256_cvtepi32_ps(_mm256_srai_epi32(x, 16));
   }
 };
 struct Fp8Row {  // e4m3 bits placed in an fp32 (value · 2^-120, subnormals exact), sign from the sign extension
@@ -94,18 +86,6 @@ struct Fp8Row {  // e4m3 bits placed in an fp32 (value · 2^-120, subnormals exa
     odd = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(x, 4), mask)), scale);
   }
 };
-struct Int4Row {  // columns 8v.. are nibble v / 2 of words 16 (v % 2)..: one 32-byte load, shifts and masks
-  static constexpr int kRowBytes = 64;
-  static void split(const uint8_t* row, int v, __m256& even, __m256& odd) {
-    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * (v % 2)));
-    const __m256i nib = _mm256_set1_epi32(0xf);
-    const __m256 eight = _mm256_set1_ps(8.f);
-    const __m128i sh = _mm_cvtsi32_si128(4 * (v / 2)), sh16 = _mm_cvtsi32_si128(16 + 4 * (v / 2));
-    even = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(w, sh), nib)), eight);
-    odd = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(w, sh16), nib)), eight);
-  }
-};
-
 // One column pass over a K chunk: MR rows × NC groups of 8 columns (groups v0 .. v0 + NC) of NB blocks (1, or 2
 // streamed side by side). a[n]: fp32 rows (stride kc) for block n, b[n]: block n's first row of the chunk,
 // c[n]: its output at the pass's first column. Per K pair each accumulator takes two FMAs (even-K, odd-K).
@@ -278,6 +258,87 @@ void gemm_block_pair_avx2(int M, const bf16* A0, const bf16* A1, int64_t lda, co
   gemm_pair_rows<Bf16Row>(M, A0, A1, lda, bytes(block0), bytes(block1), nullptr, nullptr, kp, kp, C0, C1, ldc);
 }
 
+// Integer formats (int8, int4): weights decoded to int16 in registers, input rows quantized to int16 once per call
+// (Kernels::quantize_rows), vpmaddwd + vpaddd sum the products exactly in int32; per chunk of K (int_chunk) and column
+// C (+)= s_x · (s_w · Σ q_x q_w + min_w · Σ q_x), as the AVX512 table does.
+struct Int8W {  // column group v: 16 bytes (8 columns × the K pair) sign-extended
+  static constexpr int kRowBytes = 128;
+  static constexpr bool kOffsets = false;
+  static __m256i load(const uint8_t* row, int v) {
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * v)));
+  }
+};
+struct Int4W {  // column group v: nibble v / 2 of words 16 (v % 2) ..
+  static constexpr int kRowBytes = 64;
+  static constexpr bool kOffsets = true;
+  static __m256i load(const uint8_t* row, int v) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * (v % 2)));
+    return _mm256_and_si256(_mm256_srl_epi16(w, _mm_cvtsi32_si128(4 * (v / 2))), _mm256_set1_epi16(0xf));
+  }
+};
+
+// MR rows × NC column groups (v0 ..) of one K chunk [k0, k1); the weights of a chunk stay in L1 across passes.
+template <class D, int MR, int NC>
+inline void igemm_pass(const kt::Int16Rows& X, const kt::Layout& l, kt::Block b, int k0, int k1, int v0, float* C,
+                       int64_t ldc) {
+  __m256i acc[MR][NC];
+  KT_UNROLL
+  for (int m = 0; m < MR; ++m)
+    KT_UNROLL
+    for (int v = 0; v < NC; ++v) acc[m][v] = _mm256_setzero_si256();
+  for (int kk = k0 / 2; kk < k1 / 2; ++kk) {
+    const uint8_t* row = b.w + static_cast<int64_t>(kk) * D::kRowBytes;
+    if (v0 == 0)  // the first pass brings the next chunk's row towards L1
+      for (int q = 0; q < D::kRowBytes; q += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(row + (k1 - k0) / 2 * D::kRowBytes) + q, _MM_HINT_T0);
+    __m256i a[MR];
+    KT_UNROLL
+    for (int m = 0; m < MR; ++m) a[m] = _mm256_set1_epi32(X.pair(m, kk));
+    KT_UNROLL
+    for (int v = 0; v < NC; ++v) {
+      const __m256i w = D::load(row, v0 + v);
+      KT_UNROLL
+      for (int m = 0; m < MR; ++m) acc[m][v] = _mm256_add_epi32(acc[m][v], _mm256_madd_epi16(a[m], w));
+    }
+  }
+  const int g = k0 / l.group, gf = l.group_floats();
+  for (int m = 0; m < MR; ++m) {
+    const __m256 sx = _mm256_set1_ps(X.scale[m]);
+    const __m256 xsum = _mm256_set1_ps(D::kOffsets ? X.scale[m] * X.sum(m, k0, k1) : 0.f);
+    for (int v = 0; v < NC; ++v) {
+      const float* s = b.s + g * gf + 8 * (v0 + v);
+      __m256 r = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[m][v]), _mm256_mul_ps(_mm256_loadu_ps(s), sx));
+      if (D::kOffsets) r = _mm256_fmadd_ps(_mm256_loadu_ps(s + 64), xsum, r);
+      float* c = C + m * ldc + 8 * (v0 + v);
+      _mm256_storeu_ps(c, k0 == 0 ? r : _mm256_add_ps(r, _mm256_loadu_ps(c)));
+    }
+  }
+}
+
+template <class D, int MR, int NC>
+void igemm_tile(const kt::Int16Rows& X, const kt::Layout& l, kt::Block b, float* C, int64_t ldc) {
+  const int chunk = int_chunk(l);
+  for (int k0 = 0; k0 < l.kp; k0 += chunk)
+    for (int v0 = 0; v0 < 8; v0 += NC) igemm_pass<D, MR, NC>(X, l, b, k0, std::min(k0 + chunk, l.kp), v0, C, ldc);
+}
+
+// Tiles of up to 4 rows; the fewer the rows, the more column groups a pass holds (16 ymm registers).
+template <class D>
+void igemm_rows(int M, const bf16* A, int64_t lda, const kt::Int16Rows* Xq, const kt::Layout& l, kt::Block b,
+                float* C, int64_t ldc) {
+  const kt::Int16Rows X = rows_or_quantize(Xq, 0, M, A, lda, l.kp);
+  for (int m0 = 0; m0 < M; m0 += 4) {
+    const kt::Int16Rows Xm = X.from(m0);
+    float* Cm = C + m0 * ldc;
+    switch (std::min(4, M - m0)) {
+      case 4: igemm_tile<D, 4, 2>(Xm, l, b, Cm, ldc); break;
+      case 3: igemm_tile<D, 3, 2>(Xm, l, b, Cm, ldc); break;
+      case 2: igemm_tile<D, 2, 4>(Xm, l, b, Cm, ldc); break;
+      default: igemm_tile<D, 1, 8>(Xm, l, b, Cm, ldc); break;
+    }
+  }
+}
+
 template <class D>
 void qgemm(int M, const bf16* A, int64_t lda, const kt::Layout& l, kt::Block b, float* C, int64_t ldc) {
   gemm_rows<D>(M, A, lda, b.w, b.s, l.group, l.kp, C, ldc);
@@ -288,20 +349,26 @@ void qgemm_pair(int M, const bf16* A0, const bf16* A1, int64_t lda, const kt::La
   gemm_pair_rows<D>(M, A0, A1, lda, b0.w, b1.w, b0.s, b1.s, l.group, l.kp, C0, C1, ldc);
 }
 
-void qgemm_block_avx2(int M, const bf16* A, int64_t lda, const kt::Layout& l, kt::Block b, float* C, int64_t ldc) {
+void qgemm_block_avx2(int M, const bf16* A, int64_t lda, const kt::Int16Rows* X, const kt::Layout& l, kt::Block b,
+                      float* C, int64_t ldc) {
   switch (l.fmt) {
-    case kt::Format::int8: return qgemm<Int8Row>(M, A, lda, l, b, C, ldc);
-    case kt::Format::int4: return qgemm<Int4Row>(M, A, lda, l, b, C, ldc);
+    case kt::Format::int8: return igemm_rows<Int8W>(M, A, lda, X, l, b, C, ldc);
+    case kt::Format::int4: return igemm_rows<Int4W>(M, A, lda, X, l, b, C, ldc);
     case kt::Format::fp8: return qgemm<Fp8Row>(M, A, lda, l, b, C, ldc);
     case kt::Format::bf16: return gemm_rows<Bf16Row>(M, A, lda, b.w, nullptr, l.kp, l.kp, C, ldc);
   }
 }
 
-void qgemm_block_pair_avx2(int M, const bf16* A0, const bf16* A1, int64_t lda, const kt::Layout& l, kt::Block b0,
-                           kt::Block b1, float* C0, float* C1, int64_t ldc) {
+void qgemm_block_pair_avx2(int M, const bf16* A0, const bf16* A1, int64_t lda, const kt::Int16Rows* X0,
+                           const kt::Int16Rows* X1, const kt::Layout& l, kt::Block b0, kt::Block b1, float* C0,
+                           float* C1, int64_t ldc) {
   switch (l.fmt) {
-    case kt::Format::int8: return qgemm_pair<Int8Row>(M, A0, A1, lda, l, b0, b1, C0, C1, ldc);
-    case kt::Format::int4: return qgemm_pair<Int4Row>(M, A0, A1, lda, l, b0, b1, C0, C1, ldc);
+    case kt::Format::int8:
+      igemm_rows<Int8W>(M, A0, lda, X0, l, b0, C0, ldc);
+      return igemm_rows<Int8W>(M, A1, lda, X1, l, b1, C1, ldc);
+    case kt::Format::int4:
+      igemm_rows<Int4W>(M, A0, lda, X0, l, b0, C0, ldc);
+      return igemm_rows<Int4W>(M, A1, lda, X1, l, b1, C1, ldc);
     case kt::Format::fp8: return qgemm_pair<Fp8Row>(M, A0, A1, lda, l, b0, b1, C0, C1, ldc);
     case kt::Format::bf16:
       return gemm_pair_rows<Bf16Row>(M, A0, A1, lda, b0.w, b1.w, nullptr, nullptr, l.kp, l.kp, C0, C1, ldc);
@@ -466,7 +533,7 @@ const Kernels* kernels_avx2() {
   static const Kernels k{"avx2",             gemm_block_avx2,     gemm_block_pair_avx2, lora_a_bf16_avx2,
                          lora_a_f32_avx2,    lora_b_add_avx2,     outer_acc_bf16_avx2,  outer_acc_f32_avx2,
                          swiglu_avx2,        swiglu_backward_avx2, qgemm_block_avx2,
-                         qgemm_block_pair_avx2, decode_rows_generic};
+                         qgemm_block_pair_avx2, decode_rows_generic, quantize_rows_generic};
   return &k;
 }
 

@@ -1,12 +1,14 @@
 // AVX512-BF16 table (Cooper Lake, Sapphire Rapids and later, Zen 4 and later). Built with
-// -mavx512f -mavx512bw -mavx512vl -mavx512bf16; only called after cpu_has_avx512_bf16() said yes.
+// -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx512vnni; only called after cpu_has_avx512_bf16() said yes.
 // Hand-written: the packed GEMM block (vdpbf16ps), the LoRA dot products and SwiGLU (vector exp); the rest is
 // the generic code vectorised by the compiler for this ISA.
 #include <immintrin.h>
 
-#include <algorithm>
+#include <cstdlib>
+#include <string>
 
 #include "kernels_generic.inc"
+#include "kernels_avx512_quant.inc"
 
 namespace {
 
@@ -82,123 +84,28 @@ void gemm_block_pair_avx512(int M, const bf16* A0, const bf16* A1, int64_t lda, 
   }
 }
 
-// Row decoders, one per quantized format (weight_format.h): one K-pair row of a block as four 32-value bf16
-// vectors in vdpbf16ps order, exact (every int8, int4 and e4m3 value is a bf16).
-struct Int8Row {
-  static constexpr int kRowBytes = 128;
-  static __m512 f32x16(const uint8_t* p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  }
-  static void load(const uint8_t* row, __m512bh (&w)[4]) {
-    for (int v = 0; v < 4; ++v) w[v] = _mm512_cvtne2ps_pbh(f32x16(row + 32 * v + 16), f32x16(row + 32 * v));
-  }
-};
-struct Fp8Row {  // e4m3 bits placed in an fp32 (value · 2^-120, subnormals exact), sign from the sign extension
-  static constexpr int kRowBytes = 128;
-  static __m512 f32x16(const uint8_t* p) {
-    const __m512i x = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m512i bits = _mm512_and_si512(_mm512_slli_epi32(x, 20), _mm512_set1_epi32(static_cast<int>(0x87F00000u)));
-    return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f));
-  }
-  static void load(const uint8_t* row, __m512bh (&w)[4]) {
-    for (int v = 0; v < 4; ++v) w[v] = _mm512_cvtne2ps_pbh(f32x16(row + 32 * v + 16), f32x16(row + 32 * v));
-  }
-};
-struct Int4Row {  // vector v is nibble v of the row's 32 words: shift, mask, and a 16-entry bf16 table (vpermw)
-  static constexpr int kRowBytes = 64;
-  static void load(const uint8_t* row, __m512bh (&w)[4]) {
-    alignas(64) static const int16_t table[32] = {
-        -16128, -16160, -16192, -16224, -16256, -16320, -16384, -16512,  // bf16 of -8 .. -1
-        0, 16256, 16384, 16448, 16512, 16544, 16576, 16608};               // bf16 of 0 .. 7
-    const __m512i lut = _mm512_load_si512(table), nib = _mm512_set1_epi16(0xf);
-    const __m512i x = _mm512_loadu_si512(row);
-    w[0] = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(x, nib), lut);
-    w[1] = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi16(x, 4), nib), lut);
-    w[2] = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi16(x, 8), nib), lut);
-    w[3] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(x, 12), lut);
-  }
-};
+bool g_vbmi = false;  // set with the table: the CPU has AVX512-VBMI, fp8 rows take the byte-lookup decoder
 
-// MR rows × 64 columns of NB quantized blocks: per scale group, fp32 partial sums in registers (MR×NB×4 zmm),
-// then C (+)= partial · scale. Per K pair a block row is decoded once and shared by the MR broadcasts.
-template <class D, int MR, int NB>
-inline void qgemm_micro(const bf16* const (&A)[NB], int64_t lda, const kt::Layout& l, const kt::Block (&b)[NB],
-                        float* const (&C)[NB], int64_t ldc) {
-  constexpr int kAhead = 4096 / D::kRowBytes;  // rows prefetched ahead: 4 KiB, as the bf16 kernel
-  for (int g = 0; g < l.ngroups(); ++g) {
-    __m512 acc[NB][MR][4];
-    for (int n = 0; n < NB; ++n)
-      for (int m = 0; m < MR; ++m)
-        for (int v = 0; v < 4; ++v) acc[n][m][v] = _mm512_setzero_ps();
-    const int kk1 = std::min((g + 1) * l.group, l.kp) / 2;
-    for (int kk = g * l.group / 2; kk < kk1; ++kk) {
-      for (int n = 0; n < NB; ++n) {
-        const uint8_t* row = b[n].w + static_cast<int64_t>(kk) * D::kRowBytes;
-        for (int q = 0; q < D::kRowBytes; q += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(row + kAhead * D::kRowBytes) + q, _MM_HINT_T0);
-        __m512bh w[4];
-        D::load(row, w);
-        for (int m = 0; m < MR; ++m) {
-          int32_t pair;
-          std::memcpy(&pair, A[n] + m * lda + 2 * kk, 4);
-          const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-          for (int v = 0; v < 4; ++v) acc[n][m][v] = _mm512_dpbf16_ps(acc[n][m][v], a, w[v]);
-        }
-      }
-    }
-    for (int n = 0; n < NB; ++n)
-      for (int v = 0; v < 4; ++v) {
-        const __m512 s = _mm512_loadu_ps(b[n].s + g * kBlockN + 16 * v);
-        for (int m = 0; m < MR; ++m) {
-          float* c = C[n] + m * ldc + 16 * v;
-          _mm512_storeu_ps(c, g == 0 ? _mm512_mul_ps(acc[n][m][v], s) : _mm512_fmadd_ps(acc[n][m][v], s, _mm512_loadu_ps(c)));
-        }
-      }
-  }
-}
-
-// Fewer than 16 rows reach here (packed_weights.cpp decodes a block once for more): 4-row tiles, then 1-3.
-template <class D>
-void qgemm_rows(int M, const bf16* A, int64_t lda, const kt::Layout& l, kt::Block b, float* C, int64_t ldc) {
-  int m = 0;
-  for (; m + 4 <= M; m += 4) qgemm_micro<D, 4, 1>({A + m * lda}, lda, l, {b}, {C + m * ldc}, ldc);
-  switch (M - m) {
-    case 3: qgemm_micro<D, 3, 1>({A + m * lda}, lda, l, {b}, {C + m * ldc}, ldc); break;
-    case 2: qgemm_micro<D, 2, 1>({A + m * lda}, lda, l, {b}, {C + m * ldc}, ldc); break;
-    case 1: qgemm_micro<D, 1, 1>({A + m * lda}, lda, l, {b}, {C + m * ldc}, ldc); break;
-    default: break;
-  }
-}
-
-template <class D>
-void qgemm_pair_rows(int M, const bf16* A0, const bf16* A1, int64_t lda, const kt::Layout& l, kt::Block b0,
-                     kt::Block b1, float* C0, float* C1, int64_t ldc) {
-  switch (M) {
-    case 0: return;
-    case 1: return qgemm_micro<D, 1, 2>({A0, A1}, lda, l, {b0, b1}, {C0, C1}, ldc);
-    case 2: return qgemm_micro<D, 2, 2>({A0, A1}, lda, l, {b0, b1}, {C0, C1}, ldc);
-    case 3: return qgemm_micro<D, 3, 2>({A0, A1}, lda, l, {b0, b1}, {C0, C1}, ldc);
-    default:
-      qgemm_rows<D>(M, A0, lda, l, b0, C0, ldc);
-      qgemm_rows<D>(M, A1, lda, l, b1, C1, ldc);
-  }
-}
-
-void qgemm_block_avx512(int M, const bf16* A, int64_t lda, const kt::Layout& l, kt::Block b, float* C, int64_t ldc) {
+void qgemm_block_avx512(int M, const bf16* A, int64_t lda, const kt::Int16Rows* X, const kt::Layout& l, kt::Block b,
+                        float* C, int64_t ldc) {
   switch (l.fmt) {
-    case kt::Format::int8: return qgemm_rows<Int8Row>(M, A, lda, l, b, C, ldc);
-    case kt::Format::int4: return qgemm_rows<Int4Row>(M, A, lda, l, b, C, ldc);
-    case kt::Format::fp8: return qgemm_rows<Fp8Row>(M, A, lda, l, b, C, ldc);
+    case kt::Format::int8: return igemm_rows<Int8W>(M, A, lda, X, l, b, C, ldc);
+    case kt::Format::int4: return igemm_rows<Int4W>(M, A, lda, X, l, b, C, ldc);
+    case kt::Format::fp8:
+      return g_vbmi ? kt::qgemm_fp8_vbmi(M, A, lda, l, b, C, ldc) : qgemm_rows<Fp8Row>(M, A, lda, l, b, C, ldc);
     case kt::Format::bf16: return gemm_block_avx512(M, A, lda, reinterpret_cast<const bf16*>(b.w), l.kp, C, ldc);
   }
 }
 
-void qgemm_block_pair_avx512(int M, const bf16* A0, const bf16* A1, int64_t lda, const kt::Layout& l, kt::Block b0,
-                             kt::Block b1, float* C0, float* C1, int64_t ldc) {
+void qgemm_block_pair_avx512(int M, const bf16* A0, const bf16* A1, int64_t lda, const kt::Int16Rows* X0,
+                             const kt::Int16Rows* X1, const kt::Layout& l, kt::Block b0, kt::Block b1, float* C0,
+                             float* C1, int64_t ldc) {
   switch (l.fmt) {
-    case kt::Format::int8: return qgemm_pair_rows<Int8Row>(M, A0, A1, lda, l, b0, b1, C0, C1, ldc);
-    case kt::Format::int4: return qgemm_pair_rows<Int4Row>(M, A0, A1, lda, l, b0, b1, C0, C1, ldc);
-    case kt::Format::fp8: return qgemm_pair_rows<Fp8Row>(M, A0, A1, lda, l, b0, b1, C0, C1, ldc);
+    case kt::Format::int8: return igemm_pair_rows<Int8W>(M, A0, A1, lda, X0, X1, l, b0, b1, C0, C1, ldc);
+    case kt::Format::int4: return igemm_pair_rows<Int4W>(M, A0, A1, lda, X0, X1, l, b0, b1, C0, C1, ldc);
+    case kt::Format::fp8:
+      return g_vbmi ? kt::qgemm_pair_fp8_vbmi(M, A0, A1, lda, l, b0, b1, C0, C1, ldc)
+                    : qgemm_pair_rows<Fp8Row>(M, A0, A1, lda, l, b0, b1, C0, C1, ldc);
     case kt::Format::bf16:
       return gemm_block_pair_avx512(M, A0, A1, lda, reinterpret_cast<const bf16*>(b0.w),
                                     reinterpret_cast<const bf16*>(b1.w), l.kp, C0, C1, ldc);
@@ -299,10 +206,13 @@ float swiglu_backward_avx512(int n, float w, const float* q, const bf16* h, floa
 namespace kt {
 
 const Kernels* kernels_avx512_bf16() {
+  // KT_SERVE_AVX512_VBMI=0 keeps the shift decoder (how the tests reach it on a VBMI machine)
+  const char* vbmi = std::getenv("KT_SERVE_AVX512_VBMI");
+  g_vbmi = cpu_has_avx512_vbmi() && kernels_avx512_vbmi_built() && !(vbmi && std::string(vbmi) == "0");
   static const Kernels k{"avx512_bf16",         gemm_block_avx512,      gemm_block_pair_avx512, lora_a_bf16_avx512,
                          lora_a_f32_avx512,     lora_b_add_generic,     outer_acc_bf16_generic,
                          outer_acc_f32_generic, swiglu_avx512,          swiglu_backward_avx512, qgemm_block_avx512,
-                         qgemm_block_pair_avx512, decode_rows_generic};
+                         qgemm_block_pair_avx512, decode_rows_generic, quantize_rows_generic};
   return &k;
 }
 

@@ -67,6 +67,9 @@ void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, 
     ws->pending = true;
   }
   const bool drop = dropout.on();
+  const bool qx = gate_.layout.integer(), qh = down_.layout.integer();  // rows quantized once for all blocks
+  if (qx) ws->xq.reserve(P, static_cast<int>(ldx));
+  if (qh) ws->hq.reserve(P, static_cast<int>(ldh));
   const DropoutMask gate_mask(dropout, 0), up_mask(dropout, 1), down_mask(dropout, 2);
 
   // A: gather x rows (zero padding), t = x Aᵀ (dropout(x) Aᵀ when dropping) for gate and up.
@@ -78,6 +81,7 @@ void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, 
       std::memset(X + p * ldx + H, 0, sizeof(bf16) * (ldx - H));
       std::memset(Hb + p * ldh + I, 0, sizeof(bf16) * (ldh - I));
     }
+    if (qx) ws->xq.quantize(k_, c.begin, c.end - c.begin, X + c.begin * ldx, ldx, static_cast<int>(ldx));
     const Adapter* a = rt.seg_adapter(s);
     if (!a) return;
     const size_t off = static_cast<size_t>(s.e) * a->rank * H;
@@ -106,7 +110,9 @@ void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, 
         prefetch_rows(a->up_bt.data() + off, a->rank, I, nc);
       }
     });
-    gemm_block_pair(k_, M, xr, xr, ldx, gate_, t.e, up_, t.e, t.cb, Cg, Cu, kBlockN);
+    const Int16Rows xrq = qx ? ws->xq.at(t.r0) : Int16Rows{};
+    gemm_block_pair(k_, M, xr, xr, ldx, gate_, t.e, up_, t.e, t.cb, Cg, Cu, kBlockN, qx ? &xrq : nullptr,
+                    qx ? &xrq : nullptr);
     for_segments(rt, t.e, t.r0, t.r1, [&](const Route::Segment& s, int b, int end) {
       const Adapter* a = rt.seg_adapter(s);
       if (!a) return;
@@ -126,10 +132,11 @@ void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, 
     }
   });
 
-  // C: t = h Adᵀ, or dropout(h) Adᵀ (nothing to do when no token has an adapter).
-  if (!rt.keep.empty()) pool->parallel_for(static_cast<int64_t>(rt.chunks.size()), [&](int64_t ci) {
+  // C: t = h Adᵀ, or dropout(h) Adᵀ, and h quantized for integer down weights (nothing to do without either).
+  if (!rt.keep.empty() || qh) pool->parallel_for(static_cast<int64_t>(rt.chunks.size()), [&](int64_t ci) {
     const auto& c = rt.chunks[ci];
     const auto& s = rt.segs[c.seg];
+    if (qh) ws->hq.quantize(k_, c.begin, c.end - c.begin, Hb + c.begin * ldh, ldh, static_cast<int>(ldh));
     const Adapter* a = rt.seg_adapter(s);
     if (!a) return;
     const bf16* Ad = a->down_a.data() + static_cast<size_t>(s.e) * a->rank * I;
@@ -144,6 +151,8 @@ void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, 
   const int ngroups = static_cast<int>(groups.size());
   float* acc = ws->acc.get(static_cast<size_t>(ngroups) * T * ldo);
   std::memset(acc, 0, sizeof(float) * static_cast<size_t>(ngroups) * T * ldo);
+  auto hrows = [&](int row) { return qh ? ws->hq.at(row) : Int16Rows{}; };
+  auto hq = [&](const Int16Rows& r) { return qh ? &r : nullptr; };
   pool->parallel_for(static_cast<int64_t>(nbH) * ngroups, [&](int64_t ti) {
     const int cb = static_cast<int>(ti % nbH), grp = static_cast<int>(ti / nbH);
     const int c0 = cb * kBlockN, nc = std::min(kBlockN, H - c0);
@@ -183,9 +192,11 @@ void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, 
         prefetch_lora(e2);
         float* C = tl_tile[0];
         float* C2 = tl_tile[1];
-        gemm_block_pair(k_, m, Hb + b * ldh, Hb + b2 * ldh, ldh, down_, e, down_, e2, cb, C, C2, kBlockN);
-        if (n > m) gemm_block(k_, n - m, Hb + (b + m) * ldh, ldh, down_, e, cb, C + m * kBlockN, kBlockN);
-        if (n2 > m) gemm_block(k_, n2 - m, Hb + (b2 + m) * ldh, ldh, down_, e2, cb, C2 + m * kBlockN, kBlockN);
+        const Int16Rows h0 = hrows(b), h1 = hrows(b2), h0m = hrows(b + m), h1m = hrows(b2 + m);
+        gemm_block_pair(k_, m, Hb + b * ldh, Hb + b2 * ldh, ldh, down_, e, down_, e2, cb, C, C2, kBlockN, hq(h0), hq(h1));
+        if (n > m) gemm_block(k_, n - m, Hb + (b + m) * ldh, ldh, down_, e, cb, C + m * kBlockN, kBlockN, hq(h0m));
+        if (n2 > m)
+          gemm_block(k_, n2 - m, Hb + (b2 + m) * ldh, ldh, down_, e2, cb, C2 + m * kBlockN, kBlockN, hq(h1m));
         finish(e, b, b + n, C);
         finish(e2, b2, b2 + n2, C2);
         continue;
@@ -193,7 +204,8 @@ void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, 
       prefetch_lora(e);
       for (int r0 = b; r0 < rt.expert_begin[e + 1]; r0 += kRowBlock) {
         const int r1 = std::min(r0 + kRowBlock, rt.expert_begin[e + 1]);
-        gemm_block(k_, r1 - r0, Hb + r0 * ldh, ldh, down_, e, cb, tl_tile[0], kBlockN);
+        const Int16Rows h = hrows(r0);
+        gemm_block(k_, r1 - r0, Hb + r0 * ldh, ldh, down_, e, cb, tl_tile[0], kBlockN, hq(h));
         finish(e, r0, r1, tl_tile[0]);
       }
     }

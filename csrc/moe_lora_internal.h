@@ -6,7 +6,7 @@
 // so a hot expert is split into many column/row blocks and no core idles behind it:
 //   forward   A gather x rows, t = x Aᵀ (gate, up)   per segment chunk          (moe_lora_forward.cpp)
 //             B g, u = x Wᵀ + s t Bᵀ, h = silu(g) u    per (expert, 64 columns of I, 64 rows)
-//             C t = h Adᵀ                             per segment chunk
+//             C t = h Adᵀ (and h quantized, int8 / int4)  per segment chunk
 //             D y = h Wdᵀ + s t Bdᵀ, out += w y       per (64 columns of H, group of experts)
 //   backward  mirrors it                                                        (moe_lora_backward.cpp)
 #pragma once
@@ -58,6 +58,7 @@ struct MoELoRA::Saved {
   Buffer<float> tg, tu, td;        // LoRA down-projections [P, R] (unscaled, of the dropped inputs)
   Buffer<float> g, u;              // pre-activations [P, I] (save_for_backward only)
   Buffer<float> acc;               // partial outputs [groups, T, ldo]
+  QuantizedRows xq, hq;            // x and h rows as int16, for integer-format weights
   std::vector<float> weights;      // [T, k]
   Dropout dropout;                 // the forward's seed and rate: the backward regenerates its masks
   bool pending = false;            // a backward may consume this

@@ -51,13 +51,33 @@ struct PackedWeights {
   void quantize_block(int e, int b, const float* tile);
 };
 
+// The integer formats' input rows of one call (Int16Rows), kept with the call's other scratch.
+struct QuantizedRows {
+  Buffer<int16_t> q;
+  Buffer<int32_t> sums;
+  Buffer<float> scale;
+  int kp = 0;
+  void reserve(int rows, int kp_) {
+    kp = kp_;
+    q.get(static_cast<size_t>(rows) * kp), sums.get(static_cast<size_t>(rows) * (kp / 32)), scale.get(rows);
+  }
+  // Rows [first, first + rows) from A (rows lda apart).
+  void quantize(const Kernels& kern, int first, int rows, const bf16* A, int64_t lda, int kp);
+  Int16Rows at(int row) const {
+    return {q.data() + static_cast<int64_t>(row) * kp, sums.data() + static_cast<int64_t>(row) * (kp / 32),
+            scale.data() + row, kp};
+  }
+};
+
 // C[m][c] = Σ_k A[m][k] · W[cb·64 + c][k] for block cb of expert e, m < M (the kernels.h gemm_block contract:
-// A rows of W.kp() bf16 values, the padding zero; 64 columns of C written).
+// A rows of W.kp() bf16 values, the padding zero; 64 columns of C written). X: the same rows quantized
+// (Kernels::quantize_rows) for the integer formats, or null to have them quantized per call.
 void gemm_block(const Kernels& kern, int M, const bf16* A, int64_t lda, const PackedWeights& W, int e, int cb,
-                float* C, int64_t ldc);
+                float* C, int64_t ldc, const Int16Rows* X = nullptr);
 // Block cb of experts e0 and e1 on their own rows (A0, A1; gate and up pass the same rows and two matrices
 // through W0 / W1).
 void gemm_block_pair(const Kernels& kern, int M, const bf16* A0, const bf16* A1, int64_t lda, const PackedWeights& W0,
-                     int e0, const PackedWeights& W1, int e1, int cb, float* C0, float* C1, int64_t ldc);
+                     int e0, const PackedWeights& W1, int e1, int cb, float* C0, float* C1, int64_t ldc,
+                     const Int16Rows* X0 = nullptr, const Int16Rows* X1 = nullptr);
 
 }  // namespace kt

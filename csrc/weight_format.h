@@ -7,11 +7,13 @@
 //   int8  value i as int8 at byte i; W = q · s[c], one scale per output column (per row of W)    128 bytes
 //   fp8   value i as e4m3 (OCP "fn": bias 7, no infinities, 448 max) at byte i;              128 bytes
 //         W = q · s[g][c], one scale per (K group g, column): the checkpoint's block scale of that element
-//   int4  value i = 32·v + l (v < 4, l < 32) in bits [4v, 4v + 4) of the little-endian 16-bit word l, stored as
-//         q + 8 (q in [-8, 7]); W = q · s[g][c]                                               64 bytes a row
+//   int4  value i = 32·v + l (v < 4, l < 32) as a code q in [0, 15] in bits [4v, 4v + 4) of the little-endian
+//         16-bit word l; W = q · s[g][c] + min[g][c] (asymmetric: the group's range mapped onto 16 steps)
+//                                                                                             64 bytes a row
 //
-// So one 64-byte load of an int4 row yields four 32-value vectors by shift-and-mask alone. Scales are fp32,
-// [ngroups][64] per block; group g covers K values [g·group, (g + 1)·group). int8 has one group (group = kp).
+// So one 64-byte load of an int4 row yields four 32-value vectors by shift-and-mask alone. Scales are fp32 per
+// block, [ngroups][64] (int4: [ngroups][2][64], the scales then the minimums); group g covers K values
+// [g·group, (g + 1)·group). int8 has one group (group = kp).
 // How values are quantized is in packed_weights.cpp (and restated by tests/test_kernel_formats.py).
 #pragma once
 #include <cmath>
@@ -33,13 +35,15 @@ struct Layout {
   int kp = 0;     // K padded to 32
   int group = 0;  // K values per scale group (bf16, int8: kp)
 
+  bool integer() const { return fmt == Format::int8 || fmt == Format::int4; }
   int ngroups() const { return group > 0 ? (kp + group - 1) / group : 0; }
   int row_bytes() const { return fmt == Format::bf16 ? 256 : fmt == Format::int4 ? 64 : 128; }
   size_t block_bytes() const { return static_cast<size_t>(kp / 2) * row_bytes(); }
-  size_t block_scales() const { return fmt == Format::bf16 ? 0 : static_cast<size_t>(ngroups()) * 64; }
+  int group_floats() const { return fmt == Format::int4 ? 128 : 64; }  // scales (and minimums) of one group
+  size_t block_scales() const { return fmt == Format::bf16 ? 0 : static_cast<size_t>(ngroups()) * group_floats(); }
 };
 
-// One packed block: its rows, and its scales ([ngroups][64], null for bf16).
+// One packed block: its rows, and its scales (null for bf16).
 struct Block {
   const uint8_t* w = nullptr;
   const float* s = nullptr;
@@ -90,15 +94,18 @@ inline float block_value(const Layout& l, const uint8_t* block, int kk, int i) {
     case Format::int4: {
       const int v = i / 32, lane = i % 32;
       const int word = row[2 * lane] | (row[2 * lane + 1] << 8);
-      return static_cast<float>(((word >> (4 * v)) & 0xf) - 8);
+      return static_cast<float>((word >> (4 * v)) & 0xf);
     }
   }
   return 0.f;
 }
 
-// Scale of value i of a row in group g (1 for bf16).
+// Scale and offset of value i of a row in group g: W = value · scale + offset (offset 0 but for int4).
 inline float block_scale(const Layout& l, const Block& b, int g, int i) {
-  return l.fmt == Format::bf16 ? 1.f : b.s[g * 64 + i / 2];
+  return l.fmt == Format::bf16 ? 1.f : b.s[g * l.group_floats() + i / 2];
+}
+inline float block_offset(const Layout& l, const Block& b, int g, int i) {
+  return l.fmt == Format::int4 ? b.s[g * l.group_floats() + 64 + i / 2] : 0.f;
 }
 
 }  // namespace kt

@@ -4,9 +4,11 @@
     python evals/bench_kernel.py [--tokens 1 8 64 512] [--isa avx512_bf16,avx2,portable] [--formats bf16,int8,int4,fp8]
                                  [--json FILE] [--threads N]
 
-Default shape: H=2048, I=768, E=64, top-8, r=8 (Qwen3-30B-A3B's experts). Each implementation gets ``--layers``
-independent weight sets and cycles through them call by call, as a model does, so the weights are not served
-from a cache larger than one layer (this machine's L3 can hold most of one). Times are min / median over repeats;
+Default shape: H=2048, I=768, E=64, top-8, r=8 (Qwen3-30B-A3B's experts). Each implementation gets at least
+``--layers`` independent weight sets, and for each format as many as make the packed weights four times the L3
+cache, and cycles through them call by call, as a model does; each call also takes the next of 16 routings (as
+consecutive decode steps pick other experts). So weights come from memory, not from a cache that can hold them
+(L3s of 100+ MiB hold several layers of a quantized format). Times are min / median over repeats;
 ``vs_*`` = baseline time / our time (above 1 means kt_serve is faster). The roofline is max(bytes of the experts
 touched / measured memory bandwidth, FLOPs / measured bf16 GEMM peak), both measured here with torch.
 ``--isa`` takes a comma list of kernel tables: each gets its own row set (the baselines are measured once), then
@@ -36,6 +38,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from kt_serve.kernel import ExpertLoRA, MoEExperts, cpu_isa, num_threads, set_num_threads  # noqa: E402
+
+
+ROUTINGS = 16  # inputs per T, one per call in turn
 
 
 def timeit(fn, repeats: int, warmup: int = 2, budget_s: float = 20.0):
@@ -73,6 +78,20 @@ def measure_bf16_peak_gflops() -> float:
 # Bytes per base weight of each format: values plus their fp32 scales (int4 and fp8 at group 128, fp8's scales
 # stored per column like int4's).
 WEIGHT_BYTES = {"bf16": 2.0, "int8": 1.0, "fp8": 1.0 + 4 / 128, "int4": 0.5 + 4 / 128}
+
+
+def l3_bytes() -> int:
+    """This CPU's largest cache (sysfs; 32 MiB if unreadable)."""
+    best = 0
+    for index in range(8):
+        try:
+            with open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size") as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        unit = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1], 1)
+        best = max(best, int(text.rstrip("KMG")) * unit)
+    return best or 32 * 2**20
 
 
 def roofline_ms(T, E, H, I, k, r, bw_gbs, peak_gflops, op, fmt="bf16"):
@@ -266,9 +285,14 @@ def main(argv=None) -> int:
 
     grads = ExpertLoRA(*(torch.zeros(v.shape) for v in lora.values()), alpha=alpha)
 
+    def layers_for(fmt):  # weight sets whose packed bytes are >= 4 × L3 (copies of the L sources)
+        layer_bytes = E * 3 * H * I * WEIGHT_BYTES[fmt]
+        return max(L, -(-4 * l3_bytes() // int(layer_bytes)))
+
     def build_ours(isa, fmt):
         mods = []
-        for gate, up, down in weights:
+        for i in range(layers_for(fmt)):
+            gate, up, down = weights[i % L]
             m = MoEExperts(gate, up, down, max_tokens=max(args.tokens), isa=isa, weight_format=fmt)
             m.set_adapter(0, lora_obj)
             m.set_grad_buffers(0, grads)
@@ -281,60 +305,73 @@ def main(argv=None) -> int:
     def build_kt(fmt):
         if args.no_kt:
             return []
-        kts, err = load_kt(kt_methods[fmt], weights, lora, alpha, max(args.tokens), threads, k, kt_layers[0])
-        kt_layers[0] += L
-        print(f"kt-kernel {fmt}: {kt_methods[fmt]} " + (f"({L} layers loaded)" if kts else f"not measured ({err})"),
+        n = layers_for(fmt)
+        kts, err = load_kt(kt_methods[fmt], [weights[i % L] for i in range(n)], lora, alpha, max(args.tokens), threads,
+                           k, kt_layers[0])
+        kt_layers[0] += n
+        print(f"kt-kernel {fmt}: {kt_methods[fmt]} " + (f"({n} layers loaded)" if kts else f"not measured ({err})"),
               flush=True)
         return kts
 
     if args.no_kt:
         print("kt-kernel: not measured (--no-kt)", flush=True)
-    cycle = {"ours": 0, "torch": 0, "kt": 0}
+    cycle = {"ours": 0, "torch": 0, "kt": 0, "route": 0}
+    sizes = {"torch": L, "route": ROUTINGS}
 
     def next_layer(name):
-        cycle[name] = (cycle[name] + 1) % L
+        cycle[name] = (cycle[name] + 1) % sizes[name]
         return cycle[name]
     tl = {n: v.clone().requires_grad_(True) for n, v in lora.items()}
 
-    inputs = {}
+    inputs = {}  # T -> ROUTINGS inputs (x, ids, w, grad_out), taken in turn
     for T in args.tokens:
         g = torch.Generator().manual_seed(T)
-        x = torch.randn(T, H, generator=g).bfloat16()
-        logits = torch.randn(T, E, generator=g)
-        w, ids = torch.softmax(logits, -1).topk(k, dim=-1)
-        w = (w / w.sum(-1, keepdim=True)).float().contiguous()
-        inputs[T] = (x, ids.contiguous(), w, torch.randn(T, H, generator=g).bfloat16())
+        inputs[T] = []
+        for _ in range(ROUTINGS):
+            x = torch.randn(T, H, generator=g).bfloat16()
+            w, ids = torch.softmax(torch.randn(T, E, generator=g), -1).topk(k, dim=-1)
+            w = (w / w.sum(-1, keepdim=True)).float().contiguous()
+            inputs[T].append((x, ids.contiguous(), w, torch.randn(T, H, generator=g).bfloat16()))
 
     # torch_ms[T, op] (bf16) and kt_ms[T, op, fmt] (kt-kernel's class for fmt): min ms, measured with the first table
     rows, torch_ms, kt_ms = [], {}, {}
     for isa, fmt in [(i, f) for i in isas for f in formats]:
         ours = build_ours(isa, fmt)  # one table's packed weights at a time
         kts = build_kt(fmt) if isa == isas[0] else []
+        sizes["ours"], sizes["kt"] = len(ours), max(len(kts), 1)
         for T in args.tokens:
-            x, ids, w, gy = inputs[T]
             rep = args.repeats if T <= 64 else max(3, args.repeats // 2)
 
+            def step():
+                return inputs[T][next_layer("route")]
+
             def ours_fwd():
+                x, ids, w, _ = step()
                 ours[next_layer("ours")].forward_sft(x, ids, w, slots=0)
 
             def ours_fb():
+                x, ids, w, gy = step()
                 m = ours[next_layer("ours")]
                 m.forward_sft(x, ids, w, save_for_backward=True, slots=0)
                 m.backward(gy)
 
             def torch_fwd():
+                x, ids, w, _ = step()
                 with torch.no_grad():
                     torch_loop(x, ids, w, *weights[next_layer("torch")], lora, alpha / r)
 
             def torch_fb():
+                x, ids, w, gy = step()
                 xs = x.clone().requires_grad_(True)
                 ws = w.clone().requires_grad_(True)
                 torch_loop(xs, ids, ws, *weights[next_layer("torch")], tl, alpha / r).backward(gy)
 
             def kt_fwd():
+                x, ids, w, _ = step()
                 kts[next_layer("kt")].forward(x, ids, w)
 
             def kt_fb():
+                x, ids, w, gy = step()
                 kts[next_layer("kt")].fwd_bwd(x, ids, w, gy)
 
             for op, fn_ours, fn_torch, fn_kt in (

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from kt_serve.kernel_weights import WEIGHT_FORMATS
+
 from .config import KTServeConfig
 from .cpu_compat import split_cores_between_ranks
 
@@ -24,6 +26,13 @@ FLAGS = [
                                      help="kt_serve: CPU threads of the MoE kernel (0 = all physical cores)")),
     ("--kt-max-expert-loras", "max_expert_loras",
      dict(type=int, default=8, help="kt_serve: expert-adapter slots kept in the kernel per MoE layer")),
+    ("--kt-expert-dtype", "expert_dtype",
+     dict(choices=["auto", *WEIGHT_FORMATS], default="auto",
+          help="kt_serve: format of the routed experts in the kernel: 'auto' (default) keeps the checkpoint's "
+               "(bf16, or FP8 with its block scales); int8 (per channel) and int4 (per group) quantize bf16 or FP8 "
+               "checkpoints at load, layer by layer")),
+    ("--kt-expert-group-size", "expert_group_size",
+     dict(type=int, default=128, help="kt_serve: K values per int4 scale (a multiple of 64; default 128)")),
     ("--kt-lora-cache-dir", "lora_cache_dir",
      dict(default=None, help="kt_serve: where composite adapters are split (default: a per-user temp dir)")),
 ]

@@ -26,12 +26,22 @@ class KTServeConfig:
     max_expert_loras: int = 8
     # where composite adapters are split into their SGLang (non-expert) half
     lora_cache_dir: str | None = None
+    # format of the routed experts in the kernel: auto (the checkpoint's: bf16 or fp8), bf16, fp8, int8, int4
+    expert_dtype: str = "auto"
+    # K values per int4 scale (and per fp8 scale when a bf16 checkpoint is quantized to fp8)
+    expert_group_size: int = 128
 
     def __post_init__(self):
         if self.moe not in ("on", "off"):
             raise ValueError(f"--kt-moe={self.moe!r}: expected 'on' or 'off'")
         if self.max_expert_loras < 1:
             raise ValueError(f"--kt-max-expert-loras={self.max_expert_loras}: expected >= 1")
+        from kt_serve.kernel_weights import WEIGHT_FORMATS
+
+        if self.expert_dtype != "auto" and self.expert_dtype not in WEIGHT_FORMATS:
+            raise ValueError(f"--kt-expert-dtype={self.expert_dtype!r}: expected auto, {', '.join(WEIGHT_FORMATS)}")
+        if self.expert_group_size < 64 or self.expert_group_size % 64:
+            raise ValueError(f"--kt-expert-group-size={self.expert_group_size}: expected a positive multiple of 64")
         if self.moe == "off" and self.expert_lora_path:
             raise ValueError("--kt-expert-lora-path needs --kt-moe on (expert LoRA runs in the kt_serve kernel)")
 

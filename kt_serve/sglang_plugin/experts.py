@@ -54,15 +54,22 @@ def _is_compute_rank() -> bool:
 
 
 class KTRoutedExpertsMethod(FusedMoEMethodBase):
-    """FusedMoE quant method whose experts live in ``kt_serve.kernel.MoEExperts`` (bf16, CPU)."""
+    """FusedMoE quant method whose experts live in ``kt_serve.kernel.MoEExperts`` (CPU), in the format of
+    ``--kt-expert-dtype``. ``fp8_block``: the checkpoint's experts are FP8 with [rows, cols] scale blocks."""
 
     runner = None
 
-    def __init__(self):
+    def __init__(self, fp8_block=None):
         super().__init__()
         self.experts = None          # kt_serve.kernel.MoEExperts once packed (TP rank 0 only)
         self.compute_rank = _is_compute_rank()
-        self._loaded: set[tuple[int, str]] = set()
+        self.fp8_block = fp8_block
+        self._loaded: set[tuple[int, str, bool]] = set()
+
+    @property
+    def weight_format(self) -> str:
+        fmt = get_config().expert_dtype
+        return ("fp8" if self.fp8_block else "bf16") if fmt == "auto" else fmt
 
     # -- weights -------------------------------------------------------------------------------------------
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
@@ -79,9 +86,18 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
         self.shape = (num_experts, hidden_size, full_i)
         E, H, I = self.shape if self.compute_rank else (0, 0, 0)
         # CPU staging; untouched pages of torch.empty cost no memory, so only the layer being loaded is resident
-        w13 = torch.nn.Parameter(torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device="cpu"), requires_grad=False)
-        w2 = torch.nn.Parameter(torch.empty(E, H, I, dtype=torch.bfloat16, device="cpu"), requires_grad=False)
-        for name, param in (("w13_weight", w13), ("w2_weight", w2)):
+        dtype = torch.float8_e4m3fn if self.fp8_block else torch.bfloat16
+        staging = {"w13_weight": (E, 2 * I, H), "w2_weight": (E, H, I)}
+        if self.fp8_block:
+            bn, bk = self.fp8_block
+            if I % bn:
+                raise ValueError(f"kt_serve: MoE layer {layer.layer_id}: intermediate size {I} is not a multiple of "
+                                 f"the FP8 block rows {bn}")
+            staging.update({"w13_weight_scale_inv": (E, 2 * I // bn, -(-H // bk)),
+                            "w2_weight_scale_inv": (E, -(-H // bn), -(-I // bk))})
+        for name, shape in staging.items():
+            t = torch.empty(shape, dtype=torch.float32 if "scale" in name else dtype, device="cpu")
+            param = torch.nn.Parameter(t, requires_grad=False)
             param.weight_loader = self._weight_loader(layer)
             layer.register_parameter(name, param)
 
@@ -91,19 +107,23 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
                 return
             if expert_id is None or shard_id not in ("w1", "w2", "w3"):
                 raise ValueError(f"kt_serve: MoE layer {layer.layer_id}: unsupported expert weight {weight_name} "
-                                 f"(shard {shard_id}, expert {expert_id}); per-expert bf16 checkpoints only")
-            E, H, I = self.shape
+                                 f"(shard {shard_id}, expert {expert_id}); per-expert checkpoints only")
+            E = self.shape[0]
             expert_id = int(expert_id)
             if not 0 <= expert_id < E:
                 raise ValueError(f"kt_serve: MoE layer {layer.layer_id}: checkpoint expert {expert_id} is outside "
                                  f"the layer's {E} experts")
-            if shard_id == "w2":
-                layer.w2_weight.data[expert_id].copy_(loaded_weight)
-            else:
-                rows = slice(0, I) if shard_id == "w1" else slice(I, 2 * I)
-                layer.w13_weight.data[expert_id, rows].copy_(loaded_weight)
-            self._loaded.add((expert_id, shard_id))
-            if len(self._loaded) == 3 * E:
+            scale = param is getattr(layer, "w13_weight_scale_inv", None) or param is getattr(layer, "w2_weight_scale_inv", None)
+            target = param.data[expert_id]
+            if shard_id != "w2":  # gate rows first, then up, in w13 and in its scales
+                half = target.shape[0] // 2
+                target = target[:half] if shard_id == "w1" else target[half:]
+            if tuple(target.shape) != tuple(loaded_weight.shape):
+                raise ValueError(f"kt_serve: MoE layer {layer.layer_id}: {weight_name} has shape "
+                                 f"{tuple(loaded_weight.shape)}, expected {tuple(target.shape)}")
+            target.copy_(loaded_weight)
+            self._loaded.add((expert_id, shard_id, scale))
+            if len(self._loaded) == 3 * E * (2 if self.fp8_block else 1):
                 self._pack(layer)
 
         return load
@@ -113,21 +133,29 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
 
         registry = get_registry()
         config = get_config()
+        kwargs = {}
+        if self.fp8_block:
+            kwargs = dict(gate_up_scale_inv=layer.w13_weight_scale_inv.data, down_scale_inv=layer.w2_weight_scale_inv.data,
+                          weight_block_size=self.fp8_block)
         self.experts = MoEExperts(gate_up_proj=layer.w13_weight.data, down_proj=layer.w2_weight.data,
-                                  max_slots=config.max_expert_loras)
+                                  max_slots=config.max_expert_loras, weight_format=self.weight_format,
+                                  group_size=config.expert_group_size, **kwargs)
         # the kernel holds its own packed copy now: release SGLang's
-        layer.w13_weight.data = torch.empty(0, dtype=torch.bfloat16)
-        layer.w2_weight.data = torch.empty(0, dtype=torch.bfloat16)
+        for name in ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv"):
+            if hasattr(layer, name):
+                getattr(layer, name).data = torch.empty(0)
         self._loaded.clear()
         registry.add_layer(layer.layer_id, self.experts)
-        logger.info("kt_serve: packed MoE layer %d (E=%d, H=%d, I=%d) into the kernel (isa %s)", layer.layer_id,
-                    *self.shape, self.experts.isa)
+        logger.info("kt_serve: packed MoE layer %d (E=%d, H=%d, I=%d) into the kernel: %s experts from a %s "
+                    "checkpoint, %.1f MiB (isa %s)", layer.layer_id, *self.shape, self.experts.weight_format,
+                    "fp8" if self.fp8_block else "bf16", self.experts.weight_bytes / 2**20, self.experts.isa)
 
     def process_weights_after_loading(self, layer) -> None:
         if self.compute_rank and self.experts is None:
             E = self.shape[0]
+            want = 3 * E * (2 if self.fp8_block else 1)
             raise ValueError(f"kt_serve: MoE layer {layer.layer_id}: checkpoint gave {len(self._loaded)} of "
-                             f"{3 * E} expert weight matrices")
+                             f"{want} expert tensors" + (" (weights and weight_scale_inv)" if self.fp8_block else ""))
 
     # -- runner --------------------------------------------------------------------------------------------
     def create_moe_runner(self, layer, moe_runner_config) -> None:
@@ -185,8 +213,3 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
         y = torch.empty(x_cpu.shape, dtype=torch.bfloat16, pin_memory=pin)
         self.experts.forward_sft(x_cpu, ids_cpu, w_cpu, save_for_backward=False, slots=slots, out=y)
         return y.to(device, dtype=x.dtype, non_blocking=pin)
-
-
-def use_kt_method(layer_kwargs: dict) -> bool:
-    """Whether a FusedMoE being built should get our method: bf16/unquantized experts and no explicit method."""
-    return layer_kwargs.get("quant_method") is None and layer_kwargs.get("quant_config") is None

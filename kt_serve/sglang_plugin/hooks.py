@@ -21,6 +21,7 @@ MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
 ELEMENTWISE = "sglang.kernels.ops.elementwise.elementwise"
 RUNTIME_CONTEXT = "sglang.srt.runtime_context"
 DEEPSEEK_ATTENTION = "sglang.srt.models.deepseek_common.attention_backend_handler.AttentionBackendRegistry"
+FP8_CONFIG = "sglang.srt.layers.quantization.fp8.Fp8Config"
 
 
 def register_hooks() -> None:
@@ -46,6 +47,9 @@ def _register_worker_hooks(HookRegistry, HookType) -> None:
                               HookType.AROUND)
         HookRegistry.register(f"{DEEPSEEK_ATTENTION}.get_handler", cpu_compat.mla_handler_torch_native,
                               HookType.AROUND)
+        from .fp8_linear import fp8_linear_method_cpu
+
+        HookRegistry.register(f"{FP8_CONFIG}.get_quant_method", fp8_linear_method_cpu, HookType.AROUND)
     config = get_config()
     if not config.enabled:
         return
@@ -80,7 +84,7 @@ _fused_moe_signature = None
 
 
 def fused_moe_init(*args, **kwargs):
-    """BEFORE FusedMoE.__init__: give unquantized MoE layers our quant method (routed experts in the kernel)."""
+    """BEFORE FusedMoE.__init__: give bf16 and FP8 MoE layers our quant method (routed experts in the kernel)."""
     global _fused_moe_signature
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
 
@@ -92,11 +96,34 @@ def fused_moe_init(*args, **kwargs):
     layer = bound.arguments["self"]
     if getattr(layer, "is_shared_fused_moe", False):
         return None
-    if bound.arguments.get("quant_method") is not None or bound.arguments.get("quant_config") is not None:
-        raise ValueError("kt_serve: quantized MoE checkpoints are not supported by the kt_serve kernel "
-                         "(bf16 experts only); pass --kt-moe off to use SGLang's own MoE path")
-    kwargs["quant_method"] = KTRoutedExpertsMethod()
+    if bound.arguments.get("quant_method") is not None:
+        raise ValueError("kt_serve: this MoE layer comes with its own quant method; the kt_serve kernel takes bf16 "
+                         "and FP8 block-quantized experts; pass --kt-moe off to use SGLang's own MoE path")
+    fp8_block = checkpoint_fp8_block(bound.arguments.get("quant_config"), bound.arguments.get("prefix", ""))
+    kwargs["quant_method"] = KTRoutedExpertsMethod(fp8_block)
     return args, kwargs
+
+
+def checkpoint_fp8_block(quant_config, prefix: str):
+    """The [rows, cols] of the FP8 scale blocks of this MoE layer's checkpoint experts, or None for bf16 experts.
+    Refuses, naming the format and the flags to use, a checkpoint quantization the kernel does not read."""
+    if quant_config is None:
+        return None
+    name = quant_config.get_name()
+    from sglang.srt.layers.quantization.fp8 import Fp8Config
+
+    if isinstance(quant_config, Fp8Config):
+        from sglang.srt.layers.quantization.utils import is_layer_skipped
+
+        if is_layer_skipped(prefix, quant_config.ignored_layers, fused_mapping=quant_config.packed_modules_mapping):
+            return None  # listed under modules_to_not_convert: bf16 experts
+        if (quant_config.is_checkpoint_fp8_serialized and quant_config.weight_block_size
+                and not getattr(quant_config, "use_mxfp8", False)):
+            return tuple(int(v) for v in quant_config.weight_block_size)
+        name = "fp8 without block scales" if quant_config.is_checkpoint_fp8_serialized else "fp8 (online)"
+    raise ValueError(f"kt_serve: MoE checkpoint quantization '{name}' is not read by the kt_serve kernel (it reads "
+                     "bf16 and FP8 block-quantized experts); serve a bf16 or FP8 checkpoint, with "
+                     "--kt-expert-dtype int8 or int4 to quantize it at load, or pass --kt-moe off")
 
 
 def after_load_model(result, model_runner, *args, **kwargs):
