@@ -75,4 +75,6 @@ void qgemm_pair_fp8_vbmi(int M, const bf16* A0, const bf16* A1, int64_t lda, con
   qgemm_pair_rows<Fp8RowVbmi>(M, A0, A1, lda, l, b0, b1, C0, C1, ldc);
 }
 
+void decode_fp8_vbmi(const uint8_t* w, int kk0, int kk1, bf16* out) { decode_float_rows<Fp8RowVbmi>(w, kk0, kk1, out); }
+
 }  // namespace kt

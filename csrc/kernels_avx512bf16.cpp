@@ -97,6 +97,16 @@ void qgemm_block_avx512(int M, const bf16* A, int64_t lda, const kt::Int16Rows* 
   }
 }
 
+void decode_rows_avx512(const kt::Layout& l, const uint8_t* w, int kk0, int kk1, bf16* out) {
+  switch (l.fmt) {
+    case kt::Format::int8: return decode_int_rows<Int8W>(w, kk0, kk1, out);
+    case kt::Format::int4: return decode_int_rows<Int4W>(w, kk0, kk1, out);
+    case kt::Format::fp8:
+      return g_vbmi ? kt::decode_fp8_vbmi(w, kk0, kk1, out) : decode_float_rows<Fp8Row>(w, kk0, kk1, out);
+    case kt::Format::bf16: return decode_rows_generic(l, w, kk0, kk1, out);
+  }
+}
+
 void qgemm_block_pair_avx512(int M, const bf16* A0, const bf16* A1, int64_t lda, const kt::Int16Rows* X0,
                              const kt::Int16Rows* X1, const kt::Layout& l, kt::Block b0, kt::Block b1, float* C0,
                              float* C1, int64_t ldc) {
@@ -212,7 +222,7 @@ const Kernels* kernels_avx512_bf16() {
   static const Kernels k{"avx512_bf16",         gemm_block_avx512,      gemm_block_pair_avx512, lora_a_bf16_avx512,
                          lora_a_f32_avx512,     lora_b_add_generic,     outer_acc_bf16_generic,
                          outer_acc_f32_generic, swiglu_avx512,          swiglu_backward_avx512, qgemm_block_avx512,
-                         qgemm_block_pair_avx512, decode_rows_generic, quantize_rows_generic};
+                         qgemm_block_pair_avx512, decode_rows_avx512, quantize_rows_generic};
   return &k;
 }
 

@@ -420,6 +420,9 @@ class MoELoRAExperts(torch.nn.Module):
     ``*_lora_*`` parameters (KT layout and names). A is Kaiming-uniform(a=√5) on the ``[E·r, in]`` view and B zero,
     as KT initialises them.
 
+    The frozen base is packed in ``weight_format`` (bf16, fp8, int8, int4; FP8 checkpoint tensors with their
+    ``*_scale_inv`` as :class:`MoEExperts` takes them): gradients flow through the dequantized weights.
+
     ``dropout`` is PEFT's ``lora_dropout`` on the expert LoRA inputs, applied in training mode only. Its masks
     come from ``dropout_seed`` (an int attribute, 0 initially): the trainer sets it before each forward (per
     micro-batch and layer), so a resumed run reproduces them.
@@ -437,6 +440,9 @@ class MoELoRAExperts(torch.nn.Module):
         max_tokens: int = 65536,
         isa: str = "auto",
         dropout: float = 0.0,
+        weight_format: str = "bf16",
+        group_size: int = 128,
+        **scales,
     ):
         super().__init__()
         if not isinstance(rank, int) or rank < 1:
@@ -444,7 +450,8 @@ class MoELoRAExperts(torch.nn.Module):
         self.dropout = _check_dropout(dropout)
         self.dropout_seed = 0
         self._experts = MoEExperts(
-            gate_proj, up_proj, down_proj, gate_up_proj=gate_up_proj, max_tokens=max_tokens, max_slots=1, isa=isa
+            gate_proj, up_proj, down_proj, gate_up_proj=gate_up_proj, max_tokens=max_tokens, max_slots=1, isa=isa,
+            weight_format=weight_format, group_size=group_size, **scales,
         )
         E, H, I = self._experts.num_experts, self._experts.hidden_size, self._experts.intermediate_size
         self.num_experts, self.hidden_size, self.intermediate_size = E, H, I
@@ -484,4 +491,4 @@ class MoELoRAExperts(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
                 f"intermediate_size={self.intermediate_size}, rank={self.rank}, alpha={self.alpha}, "
-                f"dropout={self.dropout}, isa={self._experts.isa}")
+                f"dropout={self.dropout}, isa={self._experts.isa}, weight_format={self._experts.weight_format}")

@@ -157,3 +157,44 @@ def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, weight_block_size: 
     N, K = w.shape[-2:]
     s = scale_inv.float().repeat_interleave(bn, dim=-2)[..., :N, :].repeat_interleave(bk, dim=-1)[..., :K]
     return w.float() * s
+
+
+# Bytes per routed-expert weight in the kernel: the values plus their fp32 scales per 64-column block
+# (csrc/weight_format.h): int8 one scale per row of K values, fp8 one per column and K group, int4 a scale and a
+# minimum per column and group.
+def bytes_per_weight(fmt: str, k: int, group_size: int = 128, fp8_block_k: int = 128) -> float:
+    return {"bf16": 2.0, "int8": 1.0 + 4 / k, "fp8": 1.0 + 4 / fp8_block_k, "int4": 0.5 + 8 / group_size}[fmt]
+
+
+def expert_memory(config: dict, group_size: int = 128) -> dict:
+    """Routed-expert bytes per format for a HF config.json (its text_config for multimodal checkpoints)."""
+    text = config.get("text_config") or config
+    E = text.get("num_experts") or text.get("n_routed_experts") or text.get("num_local_experts")
+    H, I, layers = text["hidden_size"], text["moe_intermediate_size"], text["num_hidden_layers"]
+    moe_layers = layers - int(text.get("first_k_dense_replace", 0)) - len(text.get("mlp_only_layers") or [])
+    per_matrix = E * H * I * moe_layers
+    return {fmt: per_matrix * (2 * bytes_per_weight(fmt, H, group_size) + bytes_per_weight(fmt, I, group_size))
+            for fmt in WEIGHT_FORMATS}
+
+
+def main(argv=None) -> int:
+    import argparse
+    import json
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser(description="Routed-expert memory per kernel format for HF configs.")
+    ap.add_argument("configs", nargs="+", help="config.json files or checkpoint dirs")
+    ap.add_argument("--group-size", type=int, default=128, help="int4 group size (K values per scale)")
+    args = ap.parse_args(argv)
+    print("| model | " + " | ".join(f"{f} GiB" for f in WEIGHT_FORMATS) + " |")
+    print("|---|" + "---|" * len(WEIGHT_FORMATS))
+    for c in args.configs:
+        path = Path(c) / "config.json" if Path(c).is_dir() else Path(c)
+        mem = expert_memory(json.loads(path.read_text()), args.group_size)
+        print(f"| {path.parent.name if path.name == 'config.json' else path.stem} | "
+              + " | ".join(f"{mem[f] / 2**30:.1f}" for f in WEIGHT_FORMATS) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -41,6 +41,15 @@ class DequantizedFp8LinearMethod(Fp8LinearMethod):
         return F.linear(x, layer.weight, bias)
 
 
+def register_weight_loader_v2() -> None:
+    """SGLang's linears pick their weight loader by the quant method's class *name* (WEIGHT_LOADER_V2_SUPPORTED):
+    only the v2 loaders place a merged linear's block scales (qkv, gate_up) at block offsets, so ours is listed."""
+    from sglang.srt.layers import linear
+
+    if DequantizedFp8LinearMethod.__name__ not in linear.WEIGHT_LOADER_V2_SUPPORTED:
+        linear.WEIGHT_LOADER_V2_SUPPORTED.append(DequantizedFp8LinearMethod.__name__)
+
+
 def fp8_linear_method_cpu(original, quant_config, layer, prefix, *args, **kwargs):
     """AROUND Fp8Config.get_quant_method on a CPU host: block-quantized FP8 linears dequantized to bf16."""
     global _logged

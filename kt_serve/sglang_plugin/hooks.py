@@ -47,8 +47,9 @@ def _register_worker_hooks(HookRegistry, HookType) -> None:
                               HookType.AROUND)
         HookRegistry.register(f"{DEEPSEEK_ATTENTION}.get_handler", cpu_compat.mla_handler_torch_native,
                               HookType.AROUND)
-        from .fp8_linear import fp8_linear_method_cpu
+        from .fp8_linear import fp8_linear_method_cpu, register_weight_loader_v2
 
+        register_weight_loader_v2()
         HookRegistry.register(f"{FP8_CONFIG}.get_quant_method", fp8_linear_method_cpu, HookType.AROUND)
     config = get_config()
     if not config.enabled:

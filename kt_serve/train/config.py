@@ -18,14 +18,18 @@ from pathlib import Path
 
 import yaml
 
+from kt_serve.kernel_weights import WEIGHT_FORMATS
+
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 SAVE_STRATEGIES = ("steps", "epoch", "no")
 CPU_ACTIVATION = ("retain", "recompute")
 NO_EFFECT = "no_effect"  # field metadata: why the field, when given, changes nothing here
-# KT's kt_backend names -> the kernel ISA table they ask for. KT's quantized backends need the quantized formats.
-KT_BACKENDS = {"auto": "auto", "amxbf16": "amx_bf16", "amx_bf16": "amx_bf16", "avx512": "avx512_bf16",
-               "avx512bf16": "avx512_bf16", "avx512_bf16": "avx512_bf16", "avx2": "avx2", "portable": "portable"}
-EXPERT_WEIGHT_FORMATS = ("bf16",)
+# KT's kt_backend names -> (the kernel ISA table they ask for, the expert weight format they imply or None).
+KT_BACKENDS = {"auto": ("auto", None), "amxbf16": ("amx_bf16", None), "amx_bf16": ("amx_bf16", None),
+               "avx512": ("avx512_bf16", None), "avx512bf16": ("avx512_bf16", None),
+               "avx512_bf16": ("avx512_bf16", None), "avx2": ("avx2", None), "portable": ("portable", None),
+               "amxint8": ("auto", "int8"), "avx512int8": ("auto", "int8"), "int8": ("auto", "int8"),
+               "amxint4": ("auto", "int4"), "int4": ("auto", "int4"), "fp8": ("auto", "fp8"), "amxfp8": ("auto", "fp8")}
 
 
 class ConfigError(ValueError):
@@ -45,8 +49,11 @@ class KTConfig:
     )
     # KTransformers' names (the cookbook's kt_config block)
     kt_num_threads: int | None = field(default=None, metadata={"help": "KT's name for `threads`."})
-    kt_backend: str = field(default="auto", metadata={"help": "auto, AMXBF16, AVX512 or AVX2 (the kernel's ISA table)."})
-    kt_expert_weight_format: str = field(default="bf16", metadata={"help": "Routed-expert weight format in the kernel."})
+    kt_backend: str = field(default="auto", metadata={
+        "help": "auto, AMXBF16, AVX512 or AVX2 (the kernel's ISA table); AMXINT8 / AMXINT4 / FP8 also set the format."})
+    kt_expert_weight_format: str | None = field(default=None, metadata={
+        "help": "Frozen routed experts in the kernel: bf16 (default), fp8, int8 or int4. A bf16 checkpoint is quantized "
+                "at load; an FP8 checkpoint's experts are packed from its e4m3 weights and block scales."})
     kt_model_max_length: int | None = field(
         default=None, metadata={"help": "Tokens per sequence the kernel must take (default cutoff_len); > cutoff_len."})
     kt_tp_enabled: bool | None = _note("one kernel thread pool spans this process's cores; there is no tensor-parallel "
@@ -54,6 +61,8 @@ class KTConfig:
     kt_threadpool_count: int | None = _note("the kernel runs one thread pool (its size is kt_num_threads)")
     kt_max_cache_depth: int | None = _note("each MoE layer keeps exactly the forward state its next backward needs "
                                            "(one micro-batch at a time), so there is no cache depth to choose")
+    kt_weight_lifecycle: str | None = _note("the kernel packs the experts once at load and keeps them for the whole "
+                                            "run (KT's persistent)")
     kt_share_backward_bb: bool | None = _note("the kernel always shares its backward scratch between layers (one set "
                                               "per thread), as KT does with true")
 
@@ -70,15 +79,23 @@ class KTConfig:
             self.threads = self.kt_num_threads
         if self.kt_backend.lower() not in KT_BACKENDS:
             raise ConfigError(f"kt_config.kt_backend: {self.kt_backend!r} is not available here; expected auto, AMXBF16, "
-                              "AVX512 or AVX2 (the quantized backends AMXINT8/AMXINT4/FP8/LLAMAFILE need expert weight "
-                              "formats the kernel does not hold yet)")
-        if self.kt_expert_weight_format.lower() not in EXPERT_WEIGHT_FORMATS:
+                              "AVX512, AVX2, AMXINT8, AMXINT4 or FP8")
+        if self.kt_weight_lifecycle not in (None, "persistent"):
+            raise ConfigError(f"kt_config.kt_weight_lifecycle: {self.kt_weight_lifecycle!r}: only persistent (the "
+                              "packed experts stay resident for the run)")
+        implied = KT_BACKENDS[self.kt_backend.lower()][1]
+        fmt = (self.kt_expert_weight_format or implied or "bf16").lower()
+        if fmt not in WEIGHT_FORMATS:
             raise ConfigError(f"kt_config.kt_expert_weight_format: {self.kt_expert_weight_format!r} is not supported; "
-                              f"the kernel holds routed experts in {', '.join(EXPERT_WEIGHT_FORMATS)} today")
+                              f"expected one of {', '.join(WEIGHT_FORMATS)}")
+        if implied and fmt != implied:
+            raise ConfigError(f"kt_config.kt_backend {self.kt_backend} holds {implied} experts but "
+                              f"kt_expert_weight_format is {self.kt_expert_weight_format}; give one of them")
+        self.kt_expert_weight_format = fmt
 
     @property
     def isa(self) -> str:
-        return KT_BACKENDS[self.kt_backend.lower()]
+        return KT_BACKENDS[self.kt_backend.lower()][0]
 
 
 @dataclass
@@ -150,7 +167,8 @@ class TrainConfig:
     cpu_infer: int | None = field(default=None, metadata={"help": "KT's older name for kt_config.kt_num_threads."})
     chunk_size: int | None = _note("the kernel takes each micro-batch's tokens in one call (its capacity follows "
                                    "cutoff_len / kt_config.kt_model_max_length)")
-    kt_weight_path: str | None = field(default=None, metadata={"help": "Refused: converted INT8/INT4 experts are not read yet."})
+    kt_weight_path: str | None = field(default=None, metadata={
+        "help": "Refused: KT's converted INT8/INT4 expert files are not read; kt_serve quantizes the checkpoint's experts at load."})
     kt_non_expert_weight_path: str | None = field(default=None, metadata={"help": "Refused, as kt_weight_path."})
     kt_config: KTConfig = field(default_factory=KTConfig)
 
@@ -196,8 +214,9 @@ class TrainConfig:
                               "trains the routed experts in its kernel (use plain LLaMA-Factory for that)")
         for name in ("kt_weight_path", "kt_non_expert_weight_path"):
             if getattr(self, name) is not None:
-                raise ConfigError(f"{name}: converted INT8/INT4 expert weights are not read yet; point "
-                                  "model_name_or_path at the BF16 checkpoint (kt_expert_weight_format: bf16)")
+                raise ConfigError(f"{name}: KT's converted INT8/INT4 expert files are not read; kt_serve quantizes "
+                                  "the experts of the BF16 (or FP8) checkpoint at model_name_or_path at load: drop "
+                                  f"{name} and keep kt_expert_weight_format")
         if self.cpu_infer is not None:
             if self.kt_config.threads is not None and self.kt_config.threads != self.cpu_infer:
                 raise ConfigError(f"cpu_infer ({self.cpu_infer}) and kt_config threads ({self.kt_config.threads}) "

@@ -22,6 +22,7 @@ from torch import nn
 
 from kt_serve.formats.names import ordered_target_modules
 from kt_serve.kernel import MoELoRAExperts, expert_checkpoint_contexts
+from kt_serve.train.fp8_checkpoint import Fp8Checkpoint
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 # Kernel parameters trained for each targeted expert projection (the others stay at their zero-B init).
@@ -83,18 +84,23 @@ def find_moe_blocks(model: nn.Module) -> list[MoEBlock]:
     return blocks
 
 
-def replace_routed_experts(model: nn.Module, rank: int, alpha: float, **kernel_options) -> dict[int, CPUExperts]:
-    """Swap every block's HF experts for ``CPUExperts`` (the kernel packs its own bf16 copy of the base weights,
-    so the HF tensors are released right after); returns the kernel modules by decoder-layer index.
-    ``kernel_options``: ``dropout``, ``max_tokens`` and ``isa`` of :class:`MoELoRAExperts`."""
+def replace_routed_experts(model: nn.Module, rank: int, alpha: float, fp8=None, **kernel_options) -> dict[int, CPUExperts]:
+    """Swap every block's HF experts for ``CPUExperts`` (the kernel packs its own copy of the base weights, in
+    ``weight_format``, so the HF tensors are released right after); returns the kernel modules by decoder-layer
+    index. ``kernel_options``: ``dropout``, ``max_tokens``, ``isa`` and ``weight_format`` of :class:`MoELoRAExperts`.
+    ``fp8``: the :class:`~kt_serve.train.fp8_checkpoint.Fp8Checkpoint` the model came from: experts are packed from
+    its e4m3 weights and block scales, not from the bf16 values transformers dequantized."""
     blocks = find_moe_blocks(model)
     if not blocks:
         raise ValueError(f"{type(model).__name__}: no MoE block with fused routed experts found")
     kernels = {}
     for b in blocks:
         experts = b.block.experts
-        kernel = CPUExperts(gate_up_proj=experts.gate_up_proj.detach().cpu(), down_proj=experts.down_proj.detach().cpu(),
-                            rank=rank, alpha=alpha, **kernel_options)
+        if fp8 is not None:
+            weights = fp8.expert_weights(b.path, experts.gate_up_proj.shape[0])
+        else:
+            weights = dict(gate_up_proj=experts.gate_up_proj.detach().cpu(), down_proj=experts.down_proj.detach().cpu())
+        kernel = CPUExperts(**weights, rank=rank, alpha=alpha, **kernel_options)
         b.block.experts = kernel
         kernels[b.layer] = kernel
     return kernels
@@ -191,9 +197,14 @@ class TrainModel:
         model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=dtype,
                                                      trust_remote_code=cfg.trust_remote_code)
         model.config.use_cache = False
+        fp8 = Fp8Checkpoint.detect(cfg.model_name_or_path)
+        if fp8 is not None:
+            logger.info("FP8 checkpoint: %d dense linears set from the file's blocks; routed experts packed from its "
+                        "e4m3 weights as %s", fp8.restore_dense(model), cfg.kt_config.kt_expert_weight_format)
         torch.manual_seed(cfg.seed)  # LoRA init (kernel experts, then PEFT) is a function of the seed
-        kernels = replace_routed_experts(model, cfg.lora_rank, cfg.lora_alpha, dropout=cfg.lora_dropout,
-                                         max_tokens=cfg.kernel_max_tokens, isa=cfg.kt_config.isa)
+        kernels = replace_routed_experts(model, cfg.lora_rank, cfg.lora_alpha, fp8=fp8, dropout=cfg.lora_dropout,
+                                         max_tokens=cfg.kernel_max_tokens, isa=cfg.kt_config.isa,
+                                         weight_format=cfg.kt_config.kt_expert_weight_format)
         targets = resolve_targets(model, cfg.lora_targets)
         if targets.modules or targets.parameters:
             # Router LoRA (PEFT target_parameters) cannot take dropout, so dropout is set per module afterwards.
