@@ -68,6 +68,55 @@ def from_cli_args_hook(server_args, *args, **kwargs):
         if not os.path.isdir(path):
             raise SystemExit(f"--kt-expert-lora-path {config.expert_lora_path}: not a directory")
         config = KTServeConfig(**{**values, "expert_lora_path": path})
+    if config.enabled:
+        message = unsupported_quantization(server_args)
+        if message:
+            raise SystemExit(message)
     config.export()
     split_cores_between_ranks(server_args)
     return server_args
+
+
+KERNEL_READS = ("the kt_serve kernel reads bf16 checkpoints and FP8 block-quantized ones (quant_method fp8 with "
+                "weight_block_size): serve one of those, with --kt-expert-dtype int8 or int4 to quantize the routed "
+                "experts at load, or pass --kt-moe off to leave the experts to SGLang")
+
+
+def checkpoint_quantization(model_path: str):
+    """(quant_method, its config dict, where it was found) of a local checkpoint, or None (bf16, or not local)."""
+    import json
+
+    if not model_path or not os.path.isdir(model_path):
+        return None
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    for scope, cfg in (("", config), ("text_config.", config.get("text_config") or {})):
+        for key in ("quantization_config", "compression_config"):
+            q = cfg.get(key) if isinstance(cfg, dict) else None
+            if isinstance(q, dict):
+                return str(q.get("quant_method") or "modelopt"), q, f"config.json {scope}{key}"
+    if os.path.exists(os.path.join(model_path, "hf_quant_config.json")):
+        return "modelopt", {}, "hf_quant_config.json"
+    return None
+
+
+def unsupported_quantization(server_args) -> str | None:
+    """One line refusing a quantization the kernel does not read (AWQ, GPTQ, per-tensor FP8, --quantization ...),
+    naming the format and the flags; None where the checkpoint is bf16 or FP8 block-quantized."""
+    found = checkpoint_quantization(getattr(server_args, "model_path", None))
+    flag = getattr(server_args, "quantization", None)
+    if found is None:
+        if flag:
+            return (f"kt_serve: --quantization {flag} on a bf16 checkpoint is not run by the kt_serve kernel; "
+                    f"{KERNEL_READS} (or --kt-expert-dtype fp8 for FP8 experts)")
+        return None
+    method, q, where = found
+    if method == "fp8" and q.get("weight_block_size") and flag in (None, "fp8"):
+        return None
+    what = f"'{method}'" + (" without weight_block_size (per-tensor FP8)" if method == "fp8" else "")
+    if flag and flag != method:
+        what += f" with --quantization {flag}"
+    return f"kt_serve: {server_args.model_path} is quantized as {what} ({where}); {KERNEL_READS}"

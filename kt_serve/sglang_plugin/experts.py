@@ -93,6 +93,10 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
             if I % bn:
                 raise ValueError(f"kt_serve: MoE layer {layer.layer_id}: intermediate size {I} is not a multiple of "
                                  f"the FP8 block rows {bn}")
+            if self.weight_format == "fp8" and bk % 64:
+                raise ValueError(f"kt_serve: MoE layer {layer.layer_id}: FP8 blocks [{bn}, {bk}]: the kernel keeps "
+                                 "FP8 experts as stored only for K blocks that are a multiple of 64; pass "
+                                 "--kt-expert-dtype int8, int4 or bf16 to requantize them at load")
             staging.update({"w13_weight_scale_inv": (E, 2 * I // bn, -(-H // bk)),
                             "w2_weight_scale_inv": (E, -(-H // bn), -(-I // bk))})
         for name, shape in staging.items():

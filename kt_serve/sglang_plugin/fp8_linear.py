@@ -32,6 +32,8 @@ class DequantizedFp8LinearMethod(Fp8LinearMethod):
     def process_weights_after_loading(self, layer) -> None:
         from kt_serve.kernel_weights import dequantize_fp8
 
+        if not hasattr(layer, "weight_scale_inv"):
+            return  # already dequantized (see dequantize_before_deepseek_post_load)
         dtype = getattr(layer, "orig_dtype", None) or torch.bfloat16
         weight = dequantize_fp8(layer.weight.data, layer.weight_scale_inv.data, self.weight_block_size).to(dtype)
         layer.weight = torch.nn.Parameter(weight, requires_grad=False)
@@ -39,6 +41,21 @@ class DequantizedFp8LinearMethod(Fp8LinearMethod):
 
     def apply(self, layer, x: torch.Tensor, bias=None) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)
+
+
+def dequantize_before_deepseek_post_load(*args, **kwargs):
+    """BEFORE DeepseekV2WeightLoaderMixin.post_load_weights on a CPU host: dequantize our FP8 linears now.
+
+    DeepSeek's post_load_weights (inside load_weights, before the loader's process_weights_after_loading) splits
+    kv_b_proj into MLA's absorbed w_kc / w_vc; seeing FP8 there on a CPU it requantizes the block-scaled weight to
+    one per-tensor FP8 scale (block_quant_to_tensor_quant), a second rounding of every block but the largest.
+    Dequantized to bf16 first, w_kc / w_vc are the checkpoint's weights exactly as on CUDA (block_quant_dequant).
+    """
+    model = args[0] if args else kwargs.get("self")
+    for module in model.modules():
+        if isinstance(getattr(module, "quant_method", None), DequantizedFp8LinearMethod):
+            module.quant_method.process_weights_after_loading(module)
+    return None
 
 
 def register_weight_loader_v2() -> None:

@@ -22,6 +22,7 @@ ELEMENTWISE = "sglang.kernels.ops.elementwise.elementwise"
 RUNTIME_CONTEXT = "sglang.srt.runtime_context"
 DEEPSEEK_ATTENTION = "sglang.srt.models.deepseek_common.attention_backend_handler.AttentionBackendRegistry"
 FP8_CONFIG = "sglang.srt.layers.quantization.fp8.Fp8Config"
+DEEPSEEK_WEIGHT_LOADER = "sglang.srt.models.deepseek_common.deepseek_weight_loader.DeepseekV2WeightLoaderMixin"
 
 
 def register_hooks() -> None:
@@ -47,10 +48,12 @@ def _register_worker_hooks(HookRegistry, HookType) -> None:
                               HookType.AROUND)
         HookRegistry.register(f"{DEEPSEEK_ATTENTION}.get_handler", cpu_compat.mla_handler_torch_native,
                               HookType.AROUND)
-        from .fp8_linear import fp8_linear_method_cpu, register_weight_loader_v2
+        from .fp8_linear import dequantize_before_deepseek_post_load, fp8_linear_method_cpu, register_weight_loader_v2
 
         register_weight_loader_v2()
         HookRegistry.register(f"{FP8_CONFIG}.get_quant_method", fp8_linear_method_cpu, HookType.AROUND)
+        HookRegistry.register(f"{DEEPSEEK_WEIGHT_LOADER}.post_load_weights", dequantize_before_deepseek_post_load,
+                              HookType.BEFORE)
     config = get_config()
     if not config.enabled:
         return
