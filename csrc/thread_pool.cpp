@@ -1,5 +1,7 @@
 #include "thread_pool.h"
 
+#include "fp_mode.h"
+
 #include <sched.h>
 
 #include <chrono>
@@ -62,6 +64,7 @@ bool ThreadPool::run_one(uint64_t& exhausted_gen) {
 }
 
 void ThreadPool::worker_loop() {
+  const ExactDenormals fp_mode;
   uint64_t seen = 0;  // generation of the last job this worker found exhausted
   auto new_job = [&] { return (job_.load() >> 32) != seen; };
   for (;;) {
@@ -84,6 +87,7 @@ void ThreadPool::worker_loop() {
 void ThreadPool::parallel_for(int64_t n_tasks, const std::function<void(int64_t)>& fn) {
   if (n_tasks <= 0) return;
   if (n_tasks >= kClosed) throw std::length_error("ThreadPool::parallel_for: too many tasks");
+  const ExactDenormals fp_mode;  // the caller runs tasks too
   std::lock_guard<std::mutex> job(job_mutex_);
   if (workers_.empty() || n_tasks == 1) {
     for (int64_t t = 0; t < n_tasks; ++t) fn(t);

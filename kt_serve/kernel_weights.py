@@ -7,7 +7,7 @@ Formats (``csrc/weight_format.h`` has the byte layouts, ``csrc/packed_weights.cp
 - ``fp8``: e4m3 with one fp32 scale per (column, K group); an FP8 checkpoint keeps its bytes and
   ``weight_scale_inv`` blocks exactly, bf16 weights are quantized per 64 rows × ``group_size`` K values.
 - ``int8``: symmetric, one scale per output channel.
-- ``int4``: symmetric, one scale per output channel and ``group_size`` K values, two values a byte.
+- ``int4``: asymmetric, a scale and a minimum per output channel and ``group_size`` K values, two values a byte.
 """
 
 from __future__ import annotations

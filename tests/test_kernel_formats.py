@@ -1,7 +1,7 @@
 """Quantized base-weight formats of the kernel (csrc/weight_format.h) against independent torch references.
 
-1. Quantization: ``MoEExperts(...).dequantized()`` against the rules of csrc/packed_weights.cpp restated here in
-   plain torch (int8 per row, int4 asymmetric per row and K group, fp8 per 64 rows × K group from bf16), and
+1. Quantization: ``MoEExperts(...).dequantized()`` against the rules of csrc/packed_weights.cpp restated in
+   plain torch by tests/quant_reference.py (int8 per row, int4 asymmetric per row and K group, fp8 per 64 rows × K group from bf16), and
    against ``w · scale`` of an FP8 checkpoint's e4m3 bytes and block scales. Exact (int4: one fp32 rounding).
 2. Compute: forward and every gradient of each format on every kernel table (ISAS) against tests/moe_reference.py
    run on the dequantized weights, at the rel-L2 1e-2 of tests/test_kernel.py: decode (1-3 rows per expert, the
@@ -18,9 +18,8 @@ import torch
 
 from kt_serve.kernel import KT_NAMES, ExpertLoRA, MoEExperts, MoELoRAExperts, num_threads, set_num_threads
 from moe_reference import moe_lora_reference
+from quant_reference import FP8, ref_fp8, ref_int4, ref_int8, ref_quantize
 from test_kernel import ISAS, TOL, make_lora, module_forward_backward, reference_grads, rel_l2, routing
-
-FP8 = torch.float8_e4m3fn
 
 
 @pytest.fixture(autouse=True)
@@ -40,45 +39,6 @@ def _one_torch_thread():
 
 def _ceil(a, b):
     return -(-a // b)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Independent references of the quantization rules (packed_weights.cpp's top comment), on fp32 [E, N, K]: the
-# returned tensors are the dequantized weights. Divisions in fp32 (as the kernel), torch.round is half-to-even.
-
-
-def ref_int8(w):
-    amax = w.abs().amax(-1, keepdim=True)
-    s = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
-    return torch.round(w / s).clamp(-127, 127) * s
-
-
-def ref_int4(w, group):
-    out = torch.empty_like(w)
-    for k0 in range(0, w.shape[-1], group):  # groups start at multiples of `group`; the K padding is not in them
-        seg = w[..., k0 : k0 + group]
-        lo, hi = seg.amin(-1, keepdim=True), seg.amax(-1, keepdim=True)
-        s = torch.where(hi > lo, (hi - lo) / 15, torch.ones_like(lo))
-        out[..., k0 : k0 + group] = torch.round((seg - lo) / s).clamp(0, 15) * s + lo
-    return out
-
-
-def ref_fp8(w, group):
-    out = torch.empty_like(w)
-    N, K = w.shape[-2:]
-    for n0 in range(0, N, 64):  # the kernel's 64-row blocks
-        for k0 in range(0, K, group):
-            blk = w[..., n0 : n0 + 64, k0 : k0 + group]
-            amax = blk.abs().amax(dim=(-2, -1), keepdim=True)
-            s = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
-            out[..., n0 : n0 + 64, k0 : k0 + group] = (blk / s).clamp(-448, 448).to(FP8).float() * s
-    return out
-
-
-def ref_quantize(w, fmt, group):
-    if fmt == "bf16":
-        return w.to(torch.bfloat16).float()
-    return {"int8": lambda: ref_int8(w), "int4": lambda: ref_int4(w, group), "fp8": lambda: ref_fp8(w, group)}[fmt]()
 
 
 def expand_blocks(scale, bn, bk, N, K):

@@ -7,7 +7,7 @@ SGLang + the kt_serve plugin on CPU and compared with fp32 HF transformers refer
   requantization of it, what SGLang's MLA set-up does to FP8 on a CPU, is off by 0.07 nats here). Reference: the
   fp32 checkpoint of the same dequantized weights.
 - ``--kt-expert-dtype int8`` / ``int4`` on a bf16 Qwen3-MoE. Reference: the checkpoint with its expert weights
-  replaced by this file's own torch restatement of the kernel's quantization rules (csrc/packed_weights.cpp).
+  replaced by tests/quant_reference.py's torch restatement of the kernel's quantization rules (csrc/packed_weights.cpp).
 
 Base requests and a composite adapter (attention + expert LoRA, shared-expert LoRA for DeepSeek) are compared within
 TOL over the tokens predicted before the reference's first routing near-tie. Each case also records its mean
@@ -27,6 +27,7 @@ import torch
 from fp8_checkpoint import dequantize_block_fp8, write_fp8_checkpoint
 from kt_serve.server import ServerStartError, SGLangServer
 from kt_serve.tiny_model import build_tiny_moe
+from quant_reference import ref_int8, ref_quantize, write_expert_quantized_reference
 from serving_reference import HFReference, write_kt_adapter
 from test_serving import LORA_ARGS, MIN_EFFECT, complete, pick_prompts
 from test_serving_deepseek import DEEPSEEK_SERVING_CONFIG
@@ -43,60 +44,6 @@ DEEPSEEK_DIMS = dict(hidden_size=192, moe_intermediate_size=128, qk_nope_head_di
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 
 STATS: dict[str, dict] = {}  # case -> figures, printed and written by the last test
-
-
-# -- references: the kernel's quantization rules restated in torch ------------------------------------------
-def quantize_int8(w: torch.Tensor) -> torch.Tensor:
-    """Dequantized int8 [N, K]: per output row s = amax |W| / 127 (1 if 0), q = clamp(round(W / s), -127, 127)."""
-    w = w.float()
-    amax = w.abs().amax(dim=1, keepdim=True)
-    s = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    return torch.clamp(torch.round(w / s), -127, 127) * s
-
-
-def quantize_int4(w: torch.Tensor, group: int) -> torch.Tensor:
-    """Dequantized int4 [N, K], asymmetric per row and group of K values (the last group partial):
-    lo = min, s = (max - lo) / 15 (1 if 0), q = clamp(round((W - lo) / s), 0, 15), W ≈ q · s + lo."""
-    w = w.float()
-    out = torch.empty_like(w)
-    for k0 in range(0, w.shape[1], group):
-        g = w[:, k0:k0 + group]
-        lo, hi = g.amin(dim=1, keepdim=True), g.amax(dim=1, keepdim=True)
-        s = torch.where(hi > lo, (hi - lo) / 15.0, torch.ones_like(hi))
-        out[:, k0:k0 + group] = torch.clamp(torch.round((g - lo) / s), 0, 15) * s + lo
-    return out
-
-
-def quantize_fp8(w: torch.Tensor, group: int) -> torch.Tensor:
-    """Dequantized fp8 [N, K] of a float source: per 64 rows x ``group`` K values s = amax / 448 (1 if 0),
-    q = e4m3(W / s) rounded to nearest even."""
-    w = w.float()
-    out = torch.empty_like(w)
-    for n0 in range(0, w.shape[0], 64):
-        for k0 in range(0, w.shape[1], group):
-            b = w[n0:n0 + 64, k0:k0 + group]
-            amax = b.abs().amax()
-            s = amax / 448.0 if amax > 0 else torch.tensor(1.0)
-            out[n0:n0 + 64, k0:k0 + group] = (b / s).to(torch.float8_e4m3fn).float() * s
-    return out
-
-
-def quantize_expert(w: torch.Tensor, fmt: str) -> torch.Tensor:
-    return {"int8": quantize_int8, "int4": lambda m: quantize_int4(m, GROUP),
-            "fp8": lambda m: quantize_fp8(m, GROUP)}[fmt](w)
-
-
-def write_expert_quantized_reference(model_dir, out_dir, fmt: str):
-    """fp32 copy of ``model_dir`` whose routed expert weights are replaced by their ``fmt`` dequantized values."""
-    from safetensors.torch import load_file, save_file
-
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    shutil.copytree(model_dir, out_dir)
-    state = load_file(out_dir / "model.safetensors")
-    ref = {k: quantize_expert(v, fmt) if ".mlp.experts." in k else v.float() for k, v in state.items()}
-    save_file(ref, out_dir / "model.safetensors", metadata={"format": "pt"})
-    return out_dir
 
 
 def layer0_experts(model_dir, suffix="weight"):
@@ -148,7 +95,7 @@ def deepseek_fp8(workdir, deepseek_bf16):
 
 
 def quantized_case(workdir, qwen3_bf16, fmt):
-    ref = write_expert_quantized_reference(qwen3_bf16[0], workdir / f"qwen3_{fmt}_ref", fmt)
+    ref = write_expert_quantized_reference(qwen3_bf16[0], workdir / f"qwen3_{fmt}_ref", fmt, GROUP)
     return case(workdir, f"qwen3_{fmt}", qwen3_bf16[0], ref, qwen3_bf16)
 
 
@@ -191,7 +138,7 @@ def test_reference_quantization_matches_kernel(qwen3_bf16, qwen3_fp8):
     for fmt in ("int8", "int4", "fp8"):
         got = MoEExperts(*(w[p] for p in EXPERT_PROJS), weight_format=fmt, max_slots=1).dequantized()
         for p in EXPERT_PROJS:
-            want = torch.stack([quantize_expert(m, fmt) for m in w[p]])
+            want = ref_quantize(w[p].float(), fmt, GROUP)
             assert torch.equal(got[p], want), (fmt, p, (got[p] - want).abs().max())
     q, s = layer0_experts(qwen3_fp8["model"]), layer0_experts(qwen3_fp8["model"], "weight_scale_inv")
     scales = {f"{p.split('_')[0]}_scale_inv": s[p] for p in EXPERT_PROJS}
@@ -200,7 +147,7 @@ def test_reference_quantization_matches_kernel(qwen3_bf16, qwen3_fp8):
         got = MoEExperts(*(q[p] for p in EXPERT_PROJS), weight_format=fmt, max_slots=1, **scales,
                          weight_block_size=[128, 128]).dequantized()
         for p in EXPERT_PROJS:
-            want = dequantized[p] if fmt == "fp8" else torch.stack([quantize_int8(m) for m in dequantized[p]])
+            want = dequantized[p] if fmt == "fp8" else ref_int8(dequantized[p])
             assert torch.equal(got[p], want), (fmt, p, (got[p] - want).abs().max())
 
 
