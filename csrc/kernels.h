@@ -55,6 +55,8 @@ struct Int16Rows {
   Int16Rows from(int m0) const { return {q + m0 * ld, sums + m0 * (ld / 32), scale + m0, ld}; }
 };
 
+constexpr int kNeverDecode = 1 << 30;  // Kernels::int_decode_min_rows of the tables whose integer path always wins
+
 struct Kernels {
   const char* name;
 
@@ -106,6 +108,10 @@ struct Kernels {
   // M rows of kp (a multiple of 32) bf16 values to Int16Rows form: q [M][kp], sums [M][kp / 32], scale [M]
   // (scale = amax / 32767: every bit of a bf16 input kept, error below 2^-15 of the row's largest value).
   void (*quantize_rows)(int M, const bf16* A, int64_t lda, int kp, int16_t* q, int32_t* sums, float* scale);
+  // From this many rows an int8 / int4 block is decoded to bf16 and run through gemm_block rather than the
+  // register-decoding qgemm_block: the integer dot products (vpdpwssd, vpmaddwd) outrun the bf16 ones at any
+  // row count on the AVX tables (never), AMX tiles outrun them from 16 rows. fp8 is decoded from 16 rows always.
+  int int_decode_min_rows;
 };
 
 const Kernels& kernels_portable();

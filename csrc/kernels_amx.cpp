@@ -139,6 +139,7 @@ const Kernels* kernels_amx_bf16() {
     t.name = "amx_bf16";
     t.gemm_block = gemm_block_amx;
     t.gemm_block_pair = gemm_block_pair_amx;
+    t.int_decode_min_rows = 16;  // from here int8 / int4 blocks decoded to bf16 go through the tiles
     return t;
   }();
   return &k;

@@ -222,7 +222,7 @@ const Kernels* kernels_avx512_bf16() {
   static const Kernels k{"avx512_bf16",         gemm_block_avx512,      gemm_block_pair_avx512, lora_a_bf16_avx512,
                          lora_a_f32_avx512,     lora_b_add_generic,     outer_acc_bf16_generic,
                          outer_acc_f32_generic, swiglu_avx512,          swiglu_backward_avx512, qgemm_block_avx512,
-                         qgemm_block_pair_avx512, decode_rows_avx512, quantize_rows_generic};
+                         qgemm_block_pair_avx512, decode_rows_avx512, quantize_rows_generic, kNeverDecode};
   return &k;
 }
 

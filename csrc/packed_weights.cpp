@@ -18,9 +18,9 @@ namespace kt {
 
 namespace {
 
-// From this many rows a quantized block is decoded once into bf16 and run through the bf16 microkernel (AMX
-// where the CPU has it): the decode is then shared by enough rows that it costs less than decoding in registers
-// for every group of rows.
+// From this many rows an fp8 block is decoded once into bf16 and run through the bf16 microkernel (AMX where the
+// CPU has it): the decode is then shared by enough rows that it costs less than decoding in registers for every
+// group of rows. Integer formats: the table's int_decode_min_rows.
 constexpr int kDecodeRows = 16;
 
 [[noreturn]] void fail(const std::string& msg) { throw std::invalid_argument(msg); }
@@ -155,6 +155,17 @@ float PackedWeights::at(int e, int n, int k) const {
 
 namespace {
 
+// Σ of n (a multiple of 32) bf16 values, in 32 lanes the compiler vectorises (a plain float sum would stay a
+// serial chain: reassociating it is not allowed).
+float row_sum(const bf16* a, int n) {
+  float lanes[32] = {};
+  for (int k = 0; k < n; k += 32)
+    for (int j = 0; j < 32; ++j) lanes[j] += bf16_to_f32(a[k + j]);
+  float s = 0.f;
+  for (float v : lanes) s += v;
+  return s;
+}
+
 // Many rows: the block decoded a group at a time (int8: 256 K values) into bf16, the bf16 microkernel over the
 // group, its partial product scaled into C (int4 adds its minimums times the group's input sums).
 void decoded_gemm(const Kernels& kern, int M, const bf16* A, int64_t lda, const Layout& l, Block b, float* C,
@@ -171,9 +182,7 @@ void decoded_gemm(const Kernels& kern, int M, const bf16* A, int64_t lda, const 
     for (int m = 0; m < M; ++m) {
       float* c = C + m * ldc;
       const float* p = part + m * kBlockN;
-      float xsum = 0.f;
-      if (l.fmt == Format::int4)
-        for (int k = 0; k < kc; ++k) xsum += bf16_to_f32(A[m * lda + k0 + k]);
+      const float xsum = l.fmt == Format::int4 ? row_sum(A + m * lda + k0, kc) : 0.f;
       for (int j = 0; j < kBlockN; ++j) {
         const float y = p[j] * s[j] + (l.fmt == Format::int4 ? s[64 + j] * xsum : 0.f);
         c[j] = k0 == 0 ? y : c[j] + y;
@@ -189,7 +198,8 @@ void gemm_block(const Kernels& kern, int M, const bf16* A, int64_t lda, const Pa
   if (M <= 0) return;
   const Layout& l = W.layout;
   if (l.fmt == Format::bf16) return kern.gemm_block(M, A, lda, W.bf16_block(e, cb), l.kp, C, ldc);
-  if (M < kDecodeRows) return kern.qgemm_block(M, A, lda, X, l, W.block(e, cb), C, ldc);
+  if (M < (l.integer() ? kern.int_decode_min_rows : kDecodeRows))
+    return kern.qgemm_block(M, A, lda, X, l, W.block(e, cb), C, ldc);
   decoded_gemm(kern, M, A, lda, l, W.block(e, cb), C, ldc);
 }
 

@@ -18,9 +18,11 @@ after row, --repeats times, the median run kept, so a slow drift of the machine 
   kt base       routed experts in the kt_serve kernel, no adapter
   kt expert     ... with --kt-expert-lora-path (every request gets the expert LoRA)
   kt mixed      ... --enable-lora with two composite adapters; requests cycle base / :a / :b
+  kt int8 / kt int4 / kt fp8   "kt base" with --kt-expert-dtype int8 / int4 / fp8 (experts quantized at load)
 Decode tok/s = completion tokens / wall time of N concurrent greedy streams (ignore_eos); ratios are against the
 "kt base" and "sglang" rows of the same run. Latency: p50/p90/p99 of request latency and of per-token time
-(request latency / completion tokens). Peak RSS sums every process of the server's session.
+(request latency / completion tokens). Peak RSS sums every process of the server's session; "RSS after load" is
+the same sum once the server is ready, before any request (the weights as served, no bf16 copy left behind).
 Writes OUT/bench_serving.{json,md,png} (evals/report.py) besides printing the table.
 
 Before the servers, the MoE layer alone at the model's shape, in this process: SGLang's own CPU MoE path
@@ -69,16 +71,19 @@ class PeakRSS:
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
+    def now(self) -> int:
+        total = 0
+        for p in psutil.process_iter(["pid"]):
+            try:
+                if os.getsid(p.pid) == self.sid:
+                    total += p.memory_info().rss
+            except (psutil.Error, ProcessLookupError, PermissionError):
+                pass
+        return total
+
     def _run(self):
         while not self._stop.is_set():
-            total = 0
-            for p in psutil.process_iter(["pid"]):
-                try:
-                    if os.getsid(p.pid) == self.sid:
-                        total += p.memory_info().rss
-                except (psutil.Error, ProcessLookupError, PermissionError):
-                    pass
-            self.peak = max(self.peak, total)
+            self.peak = max(self.peak, self.now())
             self._stop.wait(self.period)
 
     def stop(self) -> int:
@@ -239,10 +244,12 @@ def main(argv=None):
         "kt base": ([], {}, [model]),
         "kt expert": (["--kt-expert-lora-path", str(expert)], {}, [model]),
         "kt mixed": (lora + ["--lora-paths", f"a={comp_a}", f"b={comp_b}"], {}, [model, f"{model}:a", f"{model}:b"]),
+        **{f"kt {fmt}": (["--kt-expert-dtype", fmt], {}, [model]) for fmt in ("int8", "int4", "fp8")},
     }
     def measure(names: list[str]) -> dict:
         """The servers of ``names`` up together (idle ones sleep, --sleep-on-idle), measured in turns."""
         measured = {}
+        loaded_rss = {}
         with contextlib.ExitStack() as stack:
             servers = {}
             for name in names:
@@ -251,6 +258,7 @@ def main(argv=None):
                     model, args + ["--max-running-requests", str(max(a.streams)), "--sleep-on-idle"], env=env,
                     max_total_tokens=8192, log_path=out / f"{name.replace(' ', '_')}.log"))
                 servers[name] = (server, models, PeakRSS(server.proc.pid))
+                loaded_rss[name] = servers[name][2].now()
             runs = {name: {s: [] for s in a.streams} for name in servers}
             for _ in range(a.repeats):  # rows take turns, so a slow drift of the machine hits every row alike
                 for s in a.streams:
@@ -258,9 +266,10 @@ def main(argv=None):
                         runs[name][s].append(decode_run(server, models, s, a.tokens))
             for name, (_, _, rss) in servers.items():
                 median = {s: sorted(v, key=lambda r: r["tok_s"])[len(v) // 2] for s, v in runs[name].items()}
-                measured[name] = (median, rss.stop())
+                measured[name] = (median, rss.stop(), loaded_rss[name])
                 print(f"{name}: " + ", ".join(f"{s} streams {r['tok_s']:.1f} tok/s" for s, r in median.items()) +
-                      f", peak RSS {measured[name][1] / 2**30:.2f} GiB", flush=True)
+                      f", RSS after load {loaded_rss[name] / 2**30:.2f} GiB, peak {measured[name][1] / 2**30:.2f} GiB",
+                      flush=True)
         return measured
 
     results = {}
@@ -268,7 +277,7 @@ def main(argv=None):
         results.update(measure(group))
 
     rows = []
-    for name, (runs, rss) in results.items():
+    for name, (runs, rss, loaded) in results.items():
         for s, r in runs.items():
             base = results.get("kt base", (None,))[0]
             sgl = results.get("sglang", (None,))[0]
@@ -277,7 +286,7 @@ def main(argv=None):
                          "vs_sglang": round(r["tok_s"] / sgl[s]["tok_s"], 3) if sgl else None,
                          "lat_p50_s": round(r["lat_p50_s"], 3), "lat_p99_s": round(r["lat_p99_s"], 3),
                          "ms_per_tok_p50": round(r["ms_per_tok_p50"], 2), "ms_per_tok_p99": round(r["ms_per_tok_p99"], 2),
-                         "peak_rss_gib": round(rss / 2**30, 2)})
+                         "rss_after_load_gib": round(loaded / 2**30, 2), "peak_rss_gib": round(rss / 2**30, 2)})
     heads = "4 q / 2 kv heads" if a.heads is None else f"{a.heads[0]} q / {a.heads[1]} kv heads of {a.heads[2]}"
     desc = (f"preset {a.preset}: hidden {a.hidden}, {heads}, moe_intermediate {a.moe_intermediate}, {a.experts} experts "
             f"top-{a.top_k}, {a.layers} layers, vocab {a.vocab}; {a.tokens} tokens per stream; {os.cpu_count()} CPUs; "

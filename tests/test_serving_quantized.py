@@ -34,6 +34,10 @@ from test_serving_deepseek import DEEPSEEK_SERVING_CONFIG
 
 TOL = 0.03  # nats: quantized serving vs an fp32 reference with the same (dequantized) weights
 GROUP = 128  # --kt-expert-group-size (the default)
+# Routing near-ties (serving_reference.routing_margin) end the comparison at 3x test_serving's margin, so that a
+# different kernel table's rounding (another CI CPU) cannot flip an expert choice inside the compared tokens:
+# with round-to-even int16 inputs instead of half-away, one int4 decode token here came out 0.24 nats off.
+TIE_MARGIN = 3e-3
 # moe_intermediate_size a multiple of 128 (SGLang's FP8 MoE needs I % block_n == 0); hidden 192 gives partial
 # [128, 128] blocks in every projection that reads or writes the hidden state, and a partial int4 group.
 QWEN3_DIMS = dict(hidden_size=192, moe_intermediate_size=128, head_dim=64)  # q 256, k/v 128 rows (merged qkv)
@@ -110,7 +114,7 @@ def check_case(server, c):
         for name in (None, "both"):
             dirs = [] if name is None else [c["adapter"]]
             ids, logprobs = complete(server, c["model"] if name is None else f"{c['model']}:{name}", prompt)
-            want, first_tie = c["ref"].logprobs_and_routing(prompt + ids, len(prompt), dirs)
+            want, first_tie = c["ref"].logprobs_and_routing(prompt + ids, len(prompt), dirs, tie_margin=TIE_MARGIN)
             bf16 = c["bf16"].logprobs(prompt + ids, len(prompt), dirs)
             keep = [i for i in range(len(logprobs)) if len(prompt) + i - 1 < first_tie]
             assert keep, f"routing near-tie inside the prompt (position {first_tie})"
