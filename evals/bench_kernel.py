@@ -5,7 +5,7 @@
                                  [--json FILE] [--threads N]
 
 Default shape: H=2048, I=768, E=64, top-8, r=8 (Qwen3-30B-A3B's experts). Each implementation gets at least
-``--layers`` independent weight sets, and for each format as many as make the packed weights four times the L3
+``--layers`` independent weight sets, and for each format as many as make the packed weights twice the L3
 cache, and cycles through them call by call, as a model does; each call also takes the next of 16 routings (as
 consecutive decode steps pick other experts). So weights come from memory, not from a cache that can hold them
 (L3s of 100+ MiB hold several layers of a quantized format). Times are min / median over repeats;
@@ -285,9 +285,9 @@ def main(argv=None) -> int:
 
     grads = ExpertLoRA(*(torch.zeros(v.shape) for v in lora.values()), alpha=alpha)
 
-    def layers_for(fmt):  # weight sets whose packed bytes are >= 4 × L3 (copies of the L sources)
+    def layers_for(fmt):  # weight sets whose packed bytes are >= 2 × L3 (copies of the L sources)
         layer_bytes = E * 3 * H * I * WEIGHT_BYTES[fmt]
-        return max(L, -(-4 * l3_bytes() // int(layer_bytes)))
+        return max(L, -(-2 * l3_bytes() // int(layer_bytes)))
 
     def build_ours(isa, fmt):
         mods = []
