@@ -45,16 +45,17 @@ def qwen3(workdir):
     return model, adapters, ref, pick_prompts(ref, sets)
 
 
-def pick_prompts(ref, adapter_sets, n=3, seed=0):
-    """Prompts whose routing has no reference near-tie under any of the adapter sets (see logprobs_and_routing):
-    past a near-tie the bf16 server may route differently, so such a prompt would leave nothing to compare."""
+def pick_prompts(ref, adapter_sets, n=3, seed=0, tie_margin=1e-3):
+    """Prompts whose routing has no reference near-tie (closer than ``tie_margin``) under any of the adapter sets
+    (see logprobs_and_routing): past a near-tie the bf16 server may route differently, so such a prompt would leave
+    nothing to compare."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
     prompts = []
     while len(prompts) < n:
         prompt = torch.randint(3, 1000, (PROMPT_LEN,), generator=g).tolist()
-        if all(ref.logprobs_and_routing(prompt, 1, dirs)[1] >= PROMPT_LEN for dirs in adapter_sets):
+        if all(ref.logprobs_and_routing(prompt, 1, dirs, tie_margin=tie_margin)[1] >= PROMPT_LEN for dirs in adapter_sets):
             prompts.append(prompt)
     return prompts
 

@@ -83,7 +83,7 @@ def case(workdir, name, served_dir, ref_dir, bf16, **adapter_kinds):
     adapter = write_kt_adapter(workdir / f"{name}_adapter", served_dir, seed=21, **adapter_kinds)
     ref = HFReference(ref_dir)
     return dict(name=name, model=str(served_dir), adapter=adapter, ref=ref, bf16=bf16[1],
-                prompts=pick_prompts(ref, [[], [adapter]], n=2))
+                prompts=pick_prompts(ref, [[], [adapter]], n=2, tie_margin=TIE_MARGIN))
 
 
 @pytest.fixture(scope="module")
