@@ -38,6 +38,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from kt_serve.kernel import ExpertLoRA, MoEExperts, cpu_isa, num_threads, set_num_threads  # noqa: E402
+from kt_serve.kernel_weights import expert_bytes  # noqa: E402
 
 
 ROUTINGS = 16  # inputs per T, one per call in turn
@@ -75,11 +76,6 @@ def measure_bf16_peak_gflops() -> float:
     return 2 * 512 * 2048 * 1536 / (best / 1e3) / 1e9
 
 
-# Bytes per base weight of each format: values plus their fp32 scales (int4 and fp8 at group 128, fp8's scales
-# stored per column like int4's).
-WEIGHT_BYTES = {"bf16": 2.0, "int8": 1.0, "fp8": 1.0 + 4 / 128, "int4": 0.5 + 4 / 128}
-
-
 def l3_bytes() -> int:
     """This CPU's largest cache (sysfs; 32 MiB if unreadable)."""
     best = 0
@@ -96,7 +92,7 @@ def l3_bytes() -> int:
 
 def roofline_ms(T, E, H, I, k, r, bw_gbs, peak_gflops, op, fmt="bf16"):
     touched = E * (1 - (1 - k / E) ** T)  # expected distinct experts under uniform top-k
-    bytes_ = touched * (3 * H * I * WEIGHT_BYTES[fmt] + 3 * r * (H + I) * 2)
+    bytes_ = touched * (expert_bytes(H, I, fmt) + 3 * r * (H + I) * 2)
     flops = 2 * T * k * 3 * H * I
     one = max(bytes_ / bw_gbs / 1e9, flops / peak_gflops / 1e9) * 1e3
     # backward with frozen base weights re-reads the touched weights and does ~2× the base FLOPs of forward
@@ -286,7 +282,7 @@ def main(argv=None) -> int:
     grads = ExpertLoRA(*(torch.zeros(v.shape) for v in lora.values()), alpha=alpha)
 
     def layers_for(fmt):  # weight sets whose packed bytes are >= 2 × L3 (copies of the L sources)
-        layer_bytes = E * 3 * H * I * WEIGHT_BYTES[fmt]
+        layer_bytes = E * expert_bytes(H, I, fmt)
         return max(L, -(-2 * l3_bytes() // int(layer_bytes)))
 
     def build_ours(isa, fmt):

@@ -166,15 +166,18 @@ def bytes_per_weight(fmt: str, k: int, group_size: int = 128, fp8_block_k: int =
     return {"bf16": 2.0, "int8": 1.0 + 4 / k, "fp8": 1.0 + 4 / fp8_block_k, "int4": 0.5 + 8 / group_size}[fmt]
 
 
+def expert_bytes(H: int, I: int, fmt: str, group_size: int = 128) -> float:
+    """Bytes of one expert's packed base weights in ``fmt`` (gate and up have K = H, down K = I)."""
+    return H * I * (2 * bytes_per_weight(fmt, H, group_size) + bytes_per_weight(fmt, I, group_size))
+
+
 def expert_memory(config: dict, group_size: int = 128) -> dict:
     """Routed-expert bytes per format for a HF config.json (its text_config for multimodal checkpoints)."""
     text = config.get("text_config") or config
     E = text.get("num_experts") or text.get("n_routed_experts") or text.get("num_local_experts")
     H, I, layers = text["hidden_size"], text["moe_intermediate_size"], text["num_hidden_layers"]
     moe_layers = layers - int(text.get("first_k_dense_replace", 0)) - len(text.get("mlp_only_layers") or [])
-    per_matrix = E * H * I * moe_layers
-    return {fmt: per_matrix * (2 * bytes_per_weight(fmt, H, group_size) + bytes_per_weight(fmt, I, group_size))
-            for fmt in WEIGHT_FORMATS}
+    return {fmt: E * moe_layers * expert_bytes(H, I, fmt, group_size) for fmt in WEIGHT_FORMATS}
 
 
 def main(argv=None) -> int:

@@ -546,3 +546,22 @@ def test_bad_format_arguments_raise_clear_errors():
                    down_scale_inv=torch.ones(E, 1, 2), weight_block_size=[64, 64], weight_format="fp8")
     with pytest.raises(TypeError, match="unexpected argument"):
         MoEExperts(gate, up, down, gate_scale=gs)
+
+
+def test_expert_memory_per_format_from_a_config():
+    """python -m kt_serve.kernel_weights: Qwen3-30B-A3B's routed experts, counted by hand (48 layers x 128 experts x
+    gate, up [768, 2048] and down [2048, 768]): bf16 2 bytes a weight; int8 1 plus one fp32 scale per row;
+    int4 half a byte plus a scale and a minimum per 128 K values; fp8 1 plus a scale per 128 K values."""
+    from kt_serve.kernel_weights import expert_memory
+
+    config = {"num_experts": 128, "hidden_size": 2048, "moe_intermediate_size": 768, "num_hidden_layers": 48}
+    weights = 48 * 128 * 3 * 2048 * 768
+    rows = 48 * 128 * (2 * 768 + 2048)  # gate and up have 768 rows of K = 2048, down 2048 rows of K = 768
+    mem = expert_memory(config)
+    assert mem["bf16"] == 2 * weights
+    assert mem["int8"] == pytest.approx(weights + 4 * rows, rel=1e-12)
+    assert mem["int4"] == pytest.approx(weights / 2 + 8 * weights / 128, rel=1e-12)
+    assert mem["fp8"] == pytest.approx(weights + 4 * weights / 128, rel=1e-12)
+    deepseek = {"n_routed_experts": 256, "hidden_size": 7168, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+                "first_k_dense_replace": 3}
+    assert expert_memory(deepseek)["bf16"] == 58 * 256 * 3 * 7168 * 2048 * 2
