@@ -4,12 +4,18 @@ No hub access: the model is built from a transformers config with a fixed seed a
 ``save_pretrained``; the tokenizer is a byte-level BPE trained on ``kt_serve/data/tiny_corpus.txt`` with the
 ChatML specials ``<|endoftext|>`` (0), ``<|im_start|>`` (1), ``<|im_end|>`` (2, also EOS).
 
-    python -m kt_serve.tiny_model OUT_DIR [--family qwen3_moe|qwen2_moe|deepseek_v2] [--hidden-size 128] ...
+    python -m kt_serve.tiny_model OUT_DIR [--family qwen3_moe|qwen2_moe|deepseek_v2|qwen3_5_moe] [--hidden-size 128] ...
+
+``qwen3_5_moe`` is written as the official Qwen3.5-MoE checkpoints are: ``Qwen3_5MoeForConditionalGeneration`` (the
+text model under ``model.language_model.``, a one-block vision tower), hybrid layers (three Gated DeltaNet linear
+attention layers to one full attention layer), a shared expert behind a sigmoid gate, and
+``full_attention_interval`` in ``text_config`` (SGLang reads it; transformers does not write it).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 CORPUS = Path(__file__).parent / "data" / "tiny_corpus.txt"
@@ -20,7 +26,9 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-FAMILIES = ("qwen3_moe", "qwen2_moe", "deepseek_v2")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "deepseek_v2", "qwen3_5_moe")
+DEFAULT_LAYERS = {"qwen3_5_moe": 4}  # one full-attention layer per four
+FULL_ATTENTION_INTERVAL = 4
 # Larger than HF's 0.02 so that routed experts and adapters move the logits visibly in a 2-layer model.
 DEFAULT_INIT_RANGE = 0.05
 
@@ -53,6 +61,22 @@ def _config(family: str, *, hidden_size, moe_intermediate_size, num_experts, top
                   topk_method="group_limited_greedy", n_group=2, topk_group=1, routed_scaling_factor=2.0,
                   norm_topk_prob=False, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
                   qk_rope_head_dim=16, v_head_dim=16, head_dim=16)
+    elif family == "qwen3_5_moe":
+        from transformers import Qwen3_5MoeConfig
+
+        layer_types = ["full_attention" if (i + 1) % FULL_ATTENTION_INTERVAL == 0 else "linear_attention"
+                       for i in range(num_layers)]
+        text = dict(common, head_dim=hidden_size // 4, moe_intermediate_size=moe_intermediate_size,
+                    shared_expert_intermediate_size=2 * moe_intermediate_size, num_experts=num_experts,
+                    num_experts_per_tok=top_k, layer_types=layer_types, linear_conv_kernel_dim=4,
+                    linear_key_head_dim=hidden_size // 4, linear_value_head_dim=hidden_size // 4,
+                    linear_num_key_heads=2, linear_num_value_heads=4,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                     "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+        text.update(overrides)
+        vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=hidden_size,
+                      patch_size=16, num_position_embeddings=64)
+        return Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
     else:
         raise ValueError(f"family={family!r}: expected one of {', '.join(FAMILIES)}")
     kw.update(overrides)
@@ -78,7 +102,7 @@ def build_tokenizer(vocab_size: int):
 
 
 def build_tiny_moe(out_dir, family: str = "qwen3_moe", *, hidden_size: int = 128, moe_intermediate_size: int = 64,
-                   num_experts: int = 8, top_k: int = 2, num_layers: int = 2, vocab_size: int = 1024, seed: int = 0,
+                   num_experts: int = 8, top_k: int = 2, num_layers: int | None = None, vocab_size: int = 1024, seed: int = 0,
                    **overrides) -> Path:
     """Write a tiny random HF MoE checkpoint (bf16 safetensors) plus tokenizer to ``out_dir``; returns the path.
 
@@ -89,6 +113,7 @@ def build_tiny_moe(out_dir, family: str = "qwen3_moe", *, hidden_size: int = 128
     from transformers import AutoModelForCausalLM
 
     out_dir = Path(out_dir).absolute()
+    num_layers = num_layers or DEFAULT_LAYERS.get(family, 2)
     config = _config(family, hidden_size=hidden_size, moe_intermediate_size=moe_intermediate_size,
                      num_experts=num_experts, top_k=top_k, num_layers=num_layers, vocab_size=vocab_size,
                      overrides=overrides)
@@ -97,8 +122,18 @@ def build_tiny_moe(out_dir, family: str = "qwen3_moe", *, hidden_size: int = 128
     with staged_dirs([out_dir], overwrite=True) as (tmp,):
         tmp.chmod(0o755)  # mkdtemp makes it private; a model dir should be readable like any other
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if family == "qwen3_5_moe":
+            from transformers import Qwen3_5MoeForConditionalGeneration
+
+            model = Qwen3_5MoeForConditionalGeneration(config)
+        else:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.to(torch.bfloat16).save_pretrained(tmp)
+        if family == "qwen3_5_moe":
+            config_path = tmp / "config.json"
+            written = json.loads(config_path.read_text())
+            written["text_config"]["full_attention_interval"] = FULL_ATTENTION_INTERVAL
+            config_path.write_text(json.dumps(written, indent=2) + "\n")
         build_tokenizer(vocab_size).save_pretrained(tmp)
     return out_dir
 
@@ -108,12 +143,12 @@ def main(argv=None):
     p.add_argument("out_dir")
     p.add_argument("--family", choices=FAMILIES, default="qwen3_moe")
     for name, default in [("hidden-size", 128), ("moe-intermediate-size", 64), ("num-experts", 8), ("top-k", 2),
-                          ("num-layers", 2), ("vocab-size", 1024), ("seed", 0)]:
+                          ("num-layers", 0), ("vocab-size", 1024), ("seed", 0)]:
         p.add_argument(f"--{name}", type=int, default=default)
     a = p.parse_args(argv)
     path = build_tiny_moe(a.out_dir, a.family, hidden_size=a.hidden_size,
                           moe_intermediate_size=a.moe_intermediate_size, num_experts=a.num_experts, top_k=a.top_k,
-                          num_layers=a.num_layers, vocab_size=a.vocab_size, seed=a.seed)
+                          num_layers=a.num_layers or None, vocab_size=a.vocab_size, seed=a.seed)
     print(path)
 
 

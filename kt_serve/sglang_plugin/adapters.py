@@ -154,7 +154,7 @@ def _cache_root() -> Path:
 
 def _fingerprint(path: Path) -> str:
     """Stable name of a split: the dir and the size/mtime of its files (a changed adapter gets a new split)."""
-    h = hashlib.sha256(b"kt_serve split v1\0" + str(path.resolve()).encode())
+    h = hashlib.sha256(b"kt_serve split v2\0" + str(path.resolve()).encode())
     for f in sorted(path.iterdir()):
         if f.is_file():
             st = f.stat()
@@ -162,28 +162,37 @@ def _fingerprint(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def split_composite(path: str):
+def split_composite(path: str, gdn_dims=None):
     """Read an adapter dir. Returns (path for SGLang's LoRA manager, AdapterDir or None if it has no expert half).
 
-    A dir with expert tensors gets its non-expert half written (once) to ``<cache>/<fingerprint>/nonexpert``.
+    A dir with expert tensors, or with non-expert modules SGLang names otherwise (formats.sglang_modules: Qwen3.5's
+    in_proj_qkv, with the model's ``gdn_dims``), gets its non-expert half written (once) to
+    ``<cache>/<fingerprint>/nonexpert`` in SGLang's names; a module SGLang cannot apply is refused here.
     """
     from kt_serve.formats import load_adapter_dir, nonexpert_config, write_peft_adapter
+    from kt_serve.formats.sglang_modules import needs_sglang_names, to_sglang_modules
 
     adapter = load_adapter_dir(path)
-    if not adapter.experts:
+    rename = needs_sglang_names(adapter.nonexpert)
+    if not adapter.experts and not rename:
         return path, None
     if not adapter.nonexpert:
         raise ExpertAdapterError(f"{path}: expert-only adapter; serve it with --kt-expert-lora-path, or add "
                                  f"non-expert LoRA tensors to use it per request")
+    nonexpert, targets = adapter.nonexpert, None
+    if rename:
+        nonexpert, targets = to_sglang_modules(path, nonexpert, gdn_dims or {})
     target = _cache_root() / _fingerprint(Path(path)) / "nonexpert"
     if not (target / "adapter_config.json").exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         try:
             config = nonexpert_config(adapter.config, rank=adapter.rank, alpha=adapter.alpha,
                                       base_model_name_or_path=adapter.config.get("base_model_name_or_path") or "",
-                                      nonexpert_keys=adapter.nonexpert)
-            write_peft_adapter(target, adapter.nonexpert, config, overwrite=False)
+                                      nonexpert_keys=nonexpert)
+            if targets is not None:
+                config["target_modules"] = targets
+            write_peft_adapter(target, nonexpert, config, overwrite=False)
         except FileExistsError:
             pass  # another scheduler (TP rank) wrote the same split first
-        logger.info("kt_serve: split composite adapter %s; non-expert half -> %s", path, target)
-    return str(target), adapter
+        logger.info("kt_serve: split adapter %s; non-expert half in SGLang's module names -> %s", path, target)
+    return str(target), adapter if adapter.experts else None

@@ -25,12 +25,15 @@ def load_lora_adapter(original, manager, lora_ref, *args, **kwargs):
     A composite dir is split: the expert half goes into a kernel slot keyed by lora_id, SGLang loads the
     non-expert half. Any failure returns SGLang's failure result (HTTP 400) with nothing left loaded.
     """
+    from kt_serve.formats.sglang_modules import gdn_dims
+
     try:
-        sglang_path, adapter = split_composite(lora_ref.lora_path)
-    except Exception as e:  # unreadable or malformed adapter dir
-        return manager.create_lora_update_result(success=False, error_message=f"{lora_ref.lora_path}: {e}")
+        sglang_path, adapter = split_composite(lora_ref.lora_path, gdn_dims(manager.base_hf_config))
+    except Exception as e:  # unreadable or malformed adapter dir, or a module SGLang cannot apply
+        message = str(e) if str(e).startswith(str(lora_ref.lora_path)) else f"{lora_ref.lora_path}: {e}"
+        return manager.create_lora_update_result(success=False, error_message=message)
     if adapter is None:
-        return original(manager, lora_ref, *args, **kwargs)
+        return original(manager, msgspec.structs.replace(lora_ref, lora_path=sglang_path), *args, **kwargs)
     if not get_config().enabled:
         return manager.create_lora_update_result(
             success=False, error_message=f"{lora_ref.lora_path}: routed-expert LoRA needs --kt-moe on")
