@@ -26,9 +26,13 @@ def model_dims(model_dir) -> dict:
     E = cfg.get("num_experts") or cfg.get("n_routed_experts") or cfg.get("num_local_experts")
     H, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     if "kv_lora_rank" in cfg:
-        # DeepSeek MLA: o_proj only. SGLang's kv_b_proj LoRA in the absorbed MLA path is Triton-only (no CPU
-        # driver) and it normalises q_proj to qkv_proj, which MLA does not have.
-        attention = {"self_attn.o_proj": (heads * cfg["v_head_dim"], H)}
+        # DeepSeek MLA: every projection; q_proj without q compression, q_a_proj + q_b_proj with q_lora_rank.
+        nope, rope, v, kv_rank, q_rank = (cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"],
+                                          cfg["kv_lora_rank"], cfg.get("q_lora_rank"))
+        query = ({"self_attn.q_a_proj": (H, q_rank), "self_attn.q_b_proj": (q_rank, heads * (nope + rope))} if q_rank
+                 else {"self_attn.q_proj": (H, heads * (nope + rope))})
+        attention = {**query, "self_attn.kv_a_proj_with_mqa": (H, kv_rank + rope),
+                     "self_attn.kv_b_proj": (kv_rank, heads * (nope + v)), "self_attn.o_proj": (heads * v, H)}
         shared = "mlp.shared_experts", cfg["moe_intermediate_size"] * (cfg.get("n_shared_experts") or 0)
     else:
         head_dim = cfg.get("head_dim") or H // heads

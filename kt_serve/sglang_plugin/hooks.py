@@ -54,6 +54,9 @@ def _register_worker_hooks(HookRegistry, HookType) -> None:
         HookRegistry.register(f"{FP8_CONFIG}.get_quant_method", fp8_linear_method_cpu, HookType.AROUND)
         HookRegistry.register(f"{DEEPSEEK_WEIGHT_LOADER}.post_load_weights", dequantize_before_deepseek_post_load,
                               HookType.BEFORE)
+    from . import mla_lora  # LoRA on every DeepSeek MLA projection (kv_b_proj's absorbed correction in torch on CPU)
+
+    mla_lora.register(HookRegistry, HookType)
     config = get_config()
     if not config.enabled:
         return
