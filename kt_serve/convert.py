@@ -92,7 +92,8 @@ def run_check(args) -> None:
         if model_config is None:
             print(f"  Note: {note}")
         else:
-            check_base_model(model_config, experts.layers if experts else [], experts.geometry if experts else None)
+            check_base_model(model_config, experts.layers if experts else [], experts.geometry if experts else None,
+                             source.nonexpert)
             print(f"  base model: shapes match {model_config}")
 
 

@@ -98,10 +98,14 @@ def resolve_base_model_config(name_or_path: str) -> tuple[Path | None, str | Non
                   "recorded in adapter_config.json without checking shapes")
 
 
-def check_base_model(config_path: Path, layers: list[int], geometry: ExpertGeometry | None) -> None:
-    """Expert layers, expert count, hidden and moe intermediate size must match the base model's config.json."""
+def check_base_model(config_path: Path, layers: list[int], geometry: ExpertGeometry | None,
+                     nonexpert: Mapping | None = None) -> None:
+    """Expert layers, expert count, hidden and moe intermediate size must match the base model's config.json; on a
+    hybrid model (Qwen3.5's ``layer_types``), each non-expert LoRA key's attention kind and GDN shapes too."""
     model = read_json(config_path)
     model = model.get("text_config", model) if isinstance(model.get("text_config"), dict) else model
+    if nonexpert:
+        check_hybrid_layers(config_path, model, nonexpert)
 
     def field(key):
         for name in _MODEL_FIELDS[key]:
@@ -123,3 +127,41 @@ def check_base_model(config_path: Path, layers: list[int], geometry: ExpertGeome
         name, expected = field(key)
         if expected is not None and expected != value:
             raise FormatError(config_path, f"{name}={expected} but the adapter's expert LoRA has {key}={value}")
+
+
+# Qwen3.5 Gated DeltaNet LoRA: (module, side) -> the config dims its rows (B) or columns (A) must have.
+_GDN_SHAPES = {
+    ("in_proj_qkv", "B"): lambda kd, vd: 2 * kd + vd, ("in_proj_z", "B"): lambda kd, vd: vd,
+    ("out_proj", "A"): lambda kd, vd: vd,
+}
+_ATTENTION_KIND = {"linear_attn": "linear_attention", "self_attn": "full_attention"}
+
+
+def check_hybrid_layers(config_path: Path, model: Mapping, nonexpert: Mapping) -> None:
+    """Every ``layers.N.linear_attn.*`` / ``layers.N.self_attn.*`` LoRA must sit on a layer of that kind, and GDN
+    LoRA shapes must fit ``linear_*`` dims (a Qwen3-MoE adapter put on a Qwen3.5 base, or another size, is refused)."""
+    kinds = model.get("layer_types")
+    if not isinstance(kinds, list):
+        return
+    import re
+
+    kd = (model.get("linear_key_head_dim") or 0) * (model.get("linear_num_key_heads") or 0)
+    vd = (model.get("linear_value_head_dim") or 0) * (model.get("linear_num_value_heads") or 0)
+    pattern = re.compile(r"(?:^|\.)layers\.(\d+)\.(linear_attn|self_attn)\.([^.]+)\.lora_([AB])\.")
+    for key, tensor in nonexpert.items():
+        m = pattern.search(key)
+        if m is None:
+            continue
+        layer, block, module, side = int(m[1]), m[2], m[3], m[4]
+        if layer >= len(kinds):
+            raise FormatError(config_path, f"layer_types has {len(kinds)} layers but the adapter has {key}")
+        if kinds[layer] != _ATTENTION_KIND[block]:
+            raise FormatError(config_path, f"layer {layer} is {kinds[layer]} in the base model but the adapter has "
+                                           f"{block} LoRA for it ({key})")
+        want = _GDN_SHAPES.get((module, side))
+        if block == "linear_attn" and want is not None and kd and vd:
+            got = tuple(tensor.shape)[0 if side == "B" else 1]
+            if got != want(kd, vd):
+                raise FormatError(config_path, f"{key} has {got} {'rows' if side == 'B' else 'columns'}; the base "
+                                               f"model's {module} has {want(kd, vd)} (linear_key_head_dim x "
+                                               "linear_num_key_heads, linear_value_head_dim x linear_num_value_heads)")

@@ -70,7 +70,7 @@ def convert_adapter(input_dir, *, merged_dir=None, expert_dir=None, nonexpert_di
                           "has no base_model_name_or_path; pass --base-model-name-or-path")
     model_config, note = resolve_base_model_config(base)
     if model_config is not None:
-        check_base_model(model_config, source.experts.layers, source.experts.geometry)
+        check_base_model(model_config, source.experts.layers, source.experts.geometry, source.nonexpert)
         notes.append(f"Checked shapes against {model_config}")
     else:
         notes.append(f"Note: {note}")
