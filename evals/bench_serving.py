@@ -6,6 +6,9 @@
 Presets (single flags override them):
   small          hidden 1024, moe_intermediate 512, 64 experts top-8, 8 layers, 4 heads: Python and per-op
                  overhead weigh as much as weights (the overhead-sensitive row set)
+  qwen3_5-moe    the small shape as a Qwen3.5-MoE (3 Gated DeltaNet linear-attention layers to 1 full-attention
+                 layer, shared expert); its rows add "kt moe off" (the plugin's CPU GDN ops, SGLang's MoE) and drop
+                 "sglang" (stock SGLang cannot import Qwen3.5 on a CPU host)
   qwen3-30b-a3b  Qwen3-30B-A3B's exact layer shapes (hidden 2048, 32 q / 4 kv heads of 128, 128 experts top-8,
                  moe_intermediate 768) with 4 layers and a 16k vocabulary, so lm_head keeps about its share of the
                  bytes per token of the 48-layer model and weight streaming dominates as in the real one. Its
@@ -202,9 +205,12 @@ def moe_layer_bench(a, rounds: int = 5) -> list[dict]:
 # whether its servers must run one at a time.
 PRESETS = {
     "small": dict(hidden=1024, moe_intermediate=512, experts=64, top_k=8, layers=8, vocab=1024, heads=None,
-                  sequential=False),
+                  sequential=False, family="qwen3_moe"),
     "qwen3-30b-a3b": dict(hidden=2048, moe_intermediate=768, experts=128, top_k=8, layers=4, vocab=16384,
-                          heads=(32, 4, 128), sequential=True),
+                          heads=(32, 4, 128), sequential=True, family="qwen3_moe"),
+    # Qwen3.5-MoE, medium: 6 Gated DeltaNet + 2 gated full-attention layers (3:1), shared expert, MoE everywhere.
+    "qwen3_5-moe": dict(hidden=1024, moe_intermediate=512, experts=64, top_k=8, layers=8, vocab=1024, heads=None,
+                        sequential=False, family="qwen3_5_moe"),
 }
 
 
@@ -219,29 +225,41 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--repeats", type=int, default=3, help="turns of every row at every stream count (median kept)")
-    ap.add_argument("--rows", nargs="+", default=["sglang", "kt base", "kt expert", "kt mixed"])
+    ap.add_argument("--rows", nargs="+", default=None,
+                    help="default: sglang, kt base, kt expert, kt mixed (qwen3_5-moe: kt moe off for sglang)")
     ap.add_argument("--moe-only", action="store_true", help="only the in-process MoE-layer comparison")
     a = ap.parse_args(argv)
     preset = PRESETS[a.preset]
     for key, value in preset.items():
         if getattr(a, key, None) is None:
             setattr(a, key, value)
+    qwen35 = a.family == "qwen3_5_moe"
+    if a.rows is None:
+        a.rows = ["kt moe off" if qwen35 else "sglang", "kt base", "kt expert", "kt mixed"]
     out = Path(a.out or tempfile.mkdtemp(prefix="kt_bench_"))
     moe_rows = moe_layer_bench(a)
     if a.moe_only:
         return
     attention = {} if a.heads is None else dict(num_attention_heads=a.heads[0], num_key_value_heads=a.heads[1],
                                                   head_dim=a.heads[2])
-    model = str(build_tiny_moe(out / "model", "qwen3_moe", hidden_size=a.hidden, moe_intermediate_size=a.moe_intermediate,
+    model = str(build_tiny_moe(out / "model", a.family, hidden_size=a.hidden, moe_intermediate_size=a.moe_intermediate,
                                num_experts=a.experts, top_k=a.top_k, num_layers=a.layers, vocab_size=a.vocab,
                                **attention))
-    expert = write_expert_peft_adapter(out / "expert", model, seed=1, rank=8, alpha=16.0)
-    comp_a = write_kt_adapter(out / "a", model, seed=2, rank=8, alpha=16.0)
-    comp_b = write_kt_adapter(out / "b", model, seed=3, rank=8, alpha=16.0)
+    if qwen35:
+        from qwen35_adapters import write_qwen35_adapter
+
+        expert = write_qwen35_adapter(out / "expert", model, seed=1, rank=8, alpha=16.0, nonexpert=False)
+        comp_a = write_qwen35_adapter(out / "a", model, seed=2, rank=8, alpha=16.0)
+        comp_b = write_qwen35_adapter(out / "b", model, seed=3, rank=8, alpha=16.0)
+    else:
+        expert = write_expert_peft_adapter(out / "expert", model, seed=1, rank=8, alpha=16.0)
+        comp_a = write_kt_adapter(out / "a", model, seed=2, rank=8, alpha=16.0)
+        comp_b = write_kt_adapter(out / "b", model, seed=3, rank=8, alpha=16.0)
     lora = ["--enable-lora", "--lora-backend", "torch_native", "--max-loras-per-batch", "4"]
     rows = {
         "sglang": ([], {"SGLANG_PLUGINS": "none", **USER_ENV}, [model]),
         "kt base": ([], {}, [model]),
+        "kt moe off": (["--kt-moe", "off"], {}, [model]),
         "kt expert": (["--kt-expert-lora-path", str(expert)], {}, [model]),
         "kt mixed": (lora + ["--lora-paths", f"a={comp_a}", f"b={comp_b}"], {}, [model, f"{model}:a", f"{model}:b"]),
         **{f"kt {fmt}": (["--kt-expert-dtype", fmt], {}, [model]) for fmt in ("int8", "int4", "fp8")},
@@ -288,7 +306,7 @@ def main(argv=None):
                          "ms_per_tok_p50": round(r["ms_per_tok_p50"], 2), "ms_per_tok_p99": round(r["ms_per_tok_p99"], 2),
                          "rss_after_load_gib": round(loaded / 2**30, 2), "peak_rss_gib": round(rss / 2**30, 2)})
     heads = "4 q / 2 kv heads" if a.heads is None else f"{a.heads[0]} q / {a.heads[1]} kv heads of {a.heads[2]}"
-    desc = (f"preset {a.preset}: hidden {a.hidden}, {heads}, moe_intermediate {a.moe_intermediate}, {a.experts} experts "
+    desc = (f"preset {a.preset} ({a.family}): hidden {a.hidden}, {heads}, moe_intermediate {a.moe_intermediate}, {a.experts} experts "
             f"top-{a.top_k}, {a.layers} layers, vocab {a.vocab}; {a.tokens} tokens per stream; {os.cpu_count()} CPUs; "
             f"servers {'one at a time' if a.sequential else 'side by side, measured in turns'}")
     print("\n" + desc)

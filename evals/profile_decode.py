@@ -1,7 +1,7 @@
 """Where a CPU decode step goes: py-spy samples an SGLang server's scheduler (stock SGLang + the kt_serve
 plugin) while N greedy streams decode, and the samples are grouped by the part of the step they are in.
 
-    python evals/profile_decode.py [--preset qwen3-30b-a3b|small] [--streams 1 8] [--seconds 15]
+    python evals/profile_decode.py [--preset qwen3-30b-a3b|small|qwen3_5-moe] [--streams 1 8] [--seconds 15]
                                    [--server-args ...]   # e.g. --server-args --kt-expert-lora-path DIR
 
 Needs py-spy (``pip install py-spy``; benchmarks only). The model is bench_serving.py's preset, built once under
@@ -36,6 +36,11 @@ PARTS = [
     ("lm_head", ("LogitsProcessor._compute_lm_head",)),
     ("dense linears (q/k/v/o, gate, shared)", ("UnquantizedLinearMethod.apply",)),
     ("attention", ("TorchNativeAttnBackend.forward_decode", "TorchNativeAttnBackend.forward_extend")),
+    # Qwen3.5's Gated DeltaNet layers: kt_serve's CPU ops (sglang_plugin/gdn_ops.py, qwen35_ops.py)
+    ("GDN ops (conv, delta rule, gating, gated norm, qkvz split)",
+     ("causal_conv1d_update_cpu", "causal_conv1d_fwd_cpu", "causal_conv1d_fn_cpu",
+      "fused_sigmoid_gating_delta_rule_update_cpu", "chunk_gated_delta_rule_cpu", "fused_gdn_gating_cpu",
+      "rms_norm_gated", "fused_qkvzba_split_reshape_cat_contiguous_cpu")),
     ("norms", ("RMSNorm.forward_native", "apply_qk_norm")),
     ("rotary", ("apply_rotary_emb", "RotaryEmbedding.forward_native")),
     ("router top-k", ("select_experts",)),
@@ -100,7 +105,7 @@ def main(argv=None):
     if not (model / "config.json").is_file():
         attention = {} if p["heads"] is None else dict(num_attention_heads=p["heads"][0],
                                                       num_key_value_heads=p["heads"][1], head_dim=p["heads"][2])
-        build_tiny_moe(model, "qwen3_moe", hidden_size=p["hidden"], moe_intermediate_size=p["moe_intermediate"],
+        build_tiny_moe(model, p["family"], hidden_size=p["hidden"], moe_intermediate_size=p["moe_intermediate"],
                        num_experts=p["experts"], top_k=p["top_k"], num_layers=p["layers"], vocab_size=p["vocab"],
                        **attention)
     shares = {s: profile(str(model), s, a.seconds, a.server_args, out / f"server_{s}.log") for s in a.streams}

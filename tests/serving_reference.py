@@ -139,7 +139,9 @@ class HFReference:
             for key, a in peft.items():
                 if ".lora_A." not in key:
                     continue
-                module = key.replace("base_model.model.", "").split(".lora_A.")[0]
+                # Qwen3.5's ConditionalGeneration keys name the text model model.language_model.
+                module = key.replace("base_model.model.", "").replace("model.language_model.", "model.")
+                module = module.split(".lora_A.")[0]
                 delta = scale * (peft[key.replace(".lora_A.", ".lora_B.")].float() @ a.float())
                 if ".mlp.experts." in module:  # per-expert PEFT key -> slice of the fused 5.x parameter
                     prefix, rest = module.split(".mlp.experts.")

@@ -96,3 +96,42 @@ def mla_handler_torch_native(original, registry, backend_name):
     from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
 
     return lambda attn, forward_batch: AttnForwardMethod.MLA
+
+
+def _hybrid_linear_attention(model_path) -> bool:
+    """Whether a local checkpoint mixes linear-attention (GDN / Mamba) layers with full attention (Qwen3.5)."""
+    import json
+
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError, TypeError):
+        return False
+    text = config.get("text_config") or config
+    return "linear_attention" in (text.get("layer_types") or []) or "full_attention_interval" in text
+
+
+def hybrid_cache_on_cpu(*args, **kwargs):
+    """BEFORE ServerArgs.from_cli_args: on a CPU host, a hybrid linear-attention model keeps its radix cache with
+    the no_buffer Mamba strategy and no overlap schedule.
+
+    SGLang's "auto" strategy picks extra_buffer whenever the overlap schedule is on, then refuses it on a CPU
+    ("extra_buffer requires platform support for Mamba cache state snapshots"). An explicit strategy, or
+    --disable-radix-cache, is the user's and stays.
+    """
+    import argparse
+
+    namespace = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, argparse.Namespace)), None)
+    if (namespace is None or not cpu_only_host() or getattr(namespace, "disable_radix_cache", False)
+            or getattr(namespace, "mamba_radix_cache_strategy", None) != "auto"
+            or not _hybrid_linear_attention(getattr(namespace, "model_path", None))):
+        return None
+    namespace.mamba_radix_cache_strategy = "no_buffer"
+    if not getattr(namespace, "disable_overlap_schedule", False):
+        namespace.disable_overlap_schedule = True
+    import logging
+
+    logging.getLogger(__name__).warning(
+        "kt_serve: hybrid linear-attention model on a CPU host: radix cache with --mamba-radix-cache-strategy "
+        "no_buffer and --disable-overlap-schedule (SGLang's extra_buffer needs GPU state snapshots)")
+    return None

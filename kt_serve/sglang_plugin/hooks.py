@@ -28,9 +28,14 @@ DEEPSEEK_WEIGHT_LOADER = "sglang.srt.models.deepseek_common.deepseek_weight_load
 def register_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from . import args
+    from . import args, cpu_compat
 
+    if cpu_compat.cpu_only_host():  # before any process imports SGLang's Qwen3.5 model or its GDN backend
+        from .qwen35_ops import install_qwen35_cpu_ops
+
+        install_qwen35_cpu_ops()
     HookRegistry.register(f"{SERVER_ARGS}.add_cli_args", args.add_cli_args_hook, HookType.AFTER)
+    HookRegistry.register(f"{SERVER_ARGS}.from_cli_args", cpu_compat.hybrid_cache_on_cpu, HookType.BEFORE)
     HookRegistry.register(f"{SERVER_ARGS}.from_cli_args", args.from_cli_args_hook, HookType.AFTER)
     if multiprocessing.parent_process() is None:
         return  # launcher / tokenizer process
@@ -48,6 +53,11 @@ def _register_worker_hooks(HookRegistry, HookType) -> None:
                               HookType.AROUND)
         HookRegistry.register(f"{DEEPSEEK_ATTENTION}.get_handler", cpu_compat.mla_handler_torch_native,
                               HookType.AROUND)
+        from .qwen35_ops import (GATED_DELTA_NET_INIT, RMS_NORM_GATED_FORWARD, lora_safe_fused_input_proj_probe,
+                                 rms_norm_gated_forward_hook)
+
+        HookRegistry.register(RMS_NORM_GATED_FORWARD, rms_norm_gated_forward_hook, HookType.AROUND)
+        HookRegistry.register(GATED_DELTA_NET_INIT, lora_safe_fused_input_proj_probe, HookType.AFTER)
         from .fp8_linear import dequantize_before_deepseek_post_load, fp8_linear_method_cpu, register_weight_loader_v2
 
         register_weight_loader_v2()

@@ -228,3 +228,26 @@ def install_qwen35_cpu_ops() -> list[str]:
             setattr(mamba, wrapper.__name__, wrapper)
         served += [f"mamba.{wrapper.__name__}" for wrapper in _MAMBA_WRAPPERS]
     return served
+
+
+GATED_DELTA_NET_INIT = "sglang.srt.models.qwen3_5.Qwen3_5GatedDeltaNet.__init__"
+
+
+def lora_safe_fused_input_proj_probe(result, layer, *args, **kwargs):
+    """AFTER Qwen3_5GatedDeltaNet.__init__: its lazy probe for the AMX fused input projection reads
+    ``in_proj_qkvz.bias``, which SGLang's LoRA wrapper of in_proj_qkvz lacks; the AttributeError inside the lazy
+    value then recurses without end (RecursionError on the first forward with a linear-attention adapter). A
+    wrapped projection cannot take the fused path, so the probe answers no instead."""
+    probe = getattr(layer, "_fused_input_proj_cpu_enabled", None)
+    creator = getattr(probe, "_creator", None)
+    if creator is None:
+        return result
+
+    def probe_without_lora_wrappers():
+        try:
+            return creator()
+        except AttributeError:
+            return False
+
+    probe._creator = probe_without_lora_wrappers
+    return result
