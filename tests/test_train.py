@@ -56,8 +56,10 @@ def rel_l2(a, b):
 
 
 def expected_keys(layers, nonexpert_modules):
+    """``nonexpert_modules``: a list for every layer, or a function of the layer (hybrid models)."""
+    per_layer = nonexpert_modules if callable(nonexpert_modules) else lambda layer: nonexpert_modules
     keys = {f"base_model.model.model.layers.{l}.{m}.lora_{s}.weight"
-            for l in range(layers) for m in nonexpert_modules for s in "AB"}
+            for l in range(layers) for m in per_layer(l) for s in "AB"}
     return keys | {f"layers.{l}.experts.{p}_lora_{s}" for l in range(layers) for p in ("gate", "up", "down") for s in "ab"}
 
 

@@ -1,0 +1,28 @@
+"""kt_serve.train on Qwen3.5-MoE (Gated DeltaNet + gated full attention, shared expert): gradient parity with the
+pure-torch reference (tests/train_reference.py on transformers' own torch GDN path), LoRA on every projection
+SGLang can serve, linear attention included."""
+
+from __future__ import annotations
+
+import pytest
+
+from kt_serve.tiny_model import build_tiny_moe
+from test_train import check_parity
+
+# The trainable projections SGLang 0.5.23 applies LoRA to on Qwen3.5 (formats.sglang_modules refuses the rest).
+SERVABLE_TARGETS = "q_proj,k_proj,v_proj,o_proj,in_proj_qkv,in_proj_z,out_proj,gate_proj,up_proj,down_proj"
+LINEAR = [f"linear_attn.{m}" for m in ("in_proj_qkv", "in_proj_z", "out_proj")]
+FULL = [f"self_attn.{p}_proj" for p in "qkvo"]
+SHARED = [f"mlp.shared_expert.{p}_proj" for p in ("gate", "up", "down")]
+
+
+@pytest.fixture(scope="module")
+def qwen35(tmp_path_factory):
+    return build_tiny_moe(tmp_path_factory.mktemp("models") / "qwen35", "qwen3_5_moe", hidden_size=64,
+                          moe_intermediate_size=32, num_experts=4, top_k=2)
+
+
+def test_qwen35_gradient_parity_with_pure_torch_reference(qwen35, tmp_path):
+    kinds = ["linear"] * 3 + ["full"]
+    check_parity(qwen35, qwen35, tmp_path, SERVABLE_TARGETS,
+                 lambda layer: (LINEAR if kinds[layer] == "linear" else FULL) + SHARED, "qwen3_5_moe", layers=4)
