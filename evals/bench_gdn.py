@@ -45,7 +45,7 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def timeit(fn, budget_s=1.5, min_reps=5, max_reps=200):
+def timeit(fn, budget_s=0.6, min_reps=5, max_reps=200):
     fn()
     fn()
     times = []

@@ -386,3 +386,19 @@ def test_strided_pools_as_sglang_may_lay_them_out():
         close(out[row, 0], ref_out[0, 0])
         close(ssm[row + 1], ref_state[0], 1e-4)
     assert torch.equal(ssm[[0, 4, 5]], before[[0, 4, 5]])
+
+
+def test_prefill_in_blocks_of_chunks_equals_one_block(monkeypatch):
+    """Long prefills build their intra-chunk tensors CHUNKS_PER_BLOCK chunks at a time: block edges change nothing."""
+    lens = [130, 70, 9, 200]
+    cu = [0] + torch.tensor(lens).cumsum(0).tolist()
+    q, k, v, a, b, A_log, dt_bias = _gdn_inputs(cu[-1])
+    pool = torch.randn(6, HV, DK, DV) * 0.3
+    results = []
+    for blocks in (gdn_ops.CHUNKS_PER_BLOCK, 1, 3):
+        monkeypatch.setattr(gdn_ops, "CHUNKS_PER_BLOCK", blocks)
+        p = pool.clone()
+        results.append((_prefill(q, k, v, a, b, A_log, dt_bias, p, cu, [5, 1, 3, 0])[0], p))
+    for out, p in results[1:]:
+        close(out, results[0][0], 1e-3)
+        close(p, results[0][1], 1e-5)

@@ -147,10 +147,10 @@ def causal_conv1d_update_cpu(x, conv_states, weight, bias, silu_activation, cach
     if rows is not None:
         idx = idx.index_select(0, rows)
     state = conv_states.index_select(0, idx)  # [b, dim, K-1]
-    w = weight.reshape(dim, width).float()
+    w, state32 = weight.reshape(dim, width).float(), state.float()
     acc = xs.float() * w[:, -1]
     for j in range(width - 1):
-        acc.addcmul_(state[..., j], w[:, j])
+        acc.addcmul_(state32[..., j], w[:, j])
     if bias is not None:
         acc += bias.float()
     if silu_activation:
@@ -177,35 +177,39 @@ def fused_sigmoid_gating_delta_rule_update_cpu(A_log, dt_bias, q, k, v, a, b, in
     Returns [batch, 1, Hv, Dv] in q's dtype."""
     steps, batch, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
-    out = q.new_zeros(batch, steps, hv, dv)
-    idx, rows = _valid_rows(initial_state_indices, -1)
-    if rows is not None:
-        if rows.numel() == 0:
+    slots = initial_state_indices.tolist()
+    rows = None
+    if min(slots, default=0) < 0:  # padding rows (PAD_SLOT_ID): zero output, no state
+        rows = [i for i, slot in enumerate(slots) if slot >= 0]
+        out = q.new_zeros(batch, steps, hv, dv)
+        if not rows:
             return out
-        q, k, v = q[:, rows], k[:, rows], v[:, rows]
-        a, b, idx = a[rows], b[rows], idx[rows]
-    n = idx.numel()
+        slots = [slots[i] for i in rows]
+        rows = torch.tensor(rows)
+        q, k, v, a, b = q[:, rows], k[:, rows], v[:, rows], a[rows], b[rows]
+    n = len(slots)
     pool = _kv_view(initial_state_source, dk, dv)
     g = -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float(), softplus_beta, softplus_threshold)
     decay = torch.exp(g).view(n * hv, 1, 1)
     beta = torch.sigmoid(b.float()).view(n * hv, 1)
     # The state is touched only in place, through views of runs of consecutive slots (one run per request at worst):
     # gathering and scattering a request's 2 MiB fp32 state cost more than the three passes the step needs.
-    breaks = ((idx[1:] != idx[:-1] + 1).nonzero().squeeze(1) + 1).tolist()
-    runs = [(r0 * hv, r1 * hv) for r0, r1 in zip([0] + breaks, breaks + [n])]  # rows of the [n*Hv, ...] views
-    starts = idx[[r0 // hv for r0, _ in runs]].tolist()
-    states = [_heads_view(pool[slot:slot + (r1 - r0) // hv], dk, dv) for slot, (r0, r1) in zip(starts, runs)]
+    cuts = [0] + [i for i in range(1, n) if slots[i] != slots[i - 1] + 1] + [n]
+    runs = [(r0 * hv, r1 * hv) for r0, r1 in zip(cuts[:-1], cuts[1:])]  # rows of the [n*Hv, ...] operands
+    states = [_heads_view(pool[slots[r0]:slots[r0] + r1 - r0], dk, dv) for r0, r1 in zip(cuts[:-1], cuts[1:])]
+    scale = torch.tensor([[dk ** -0.5], [1.0]])
     outs = []
     for t in range(steps):
-        qt, kt = q[t].float(), k[t].float()  # [n, Hk, Dk]
+        qk = torch.stack((q[t], k[t]), dim=2).float()  # [n, Hk, 2, Dk]
         if use_qk_l2norm_in_kernel:
-            qt, kt = _l2norm(qt, 1e-6), _l2norm(kt, 1e-6)
-        qk = torch.stack((qt * dk ** -0.5, kt), dim=2).repeat_interleave(hv // hk, dim=1).view(n * hv, 2, dk)
+            qk = _l2norm(qk, 1e-6)
+        qk = qk * scale
+        qdotk = (qk[:, :, 0] * qk[:, :, 1]).sum(-1, keepdim=True).repeat_interleave(hv // hk, dim=1).view(n * hv, 1)
+        qk = qk.repeat_interleave(hv // hk, dim=1).view(n * hv, 2, dk)
         read = torch.cat([torch.matmul(_like(qk[r0:r1], st), st).view(-1, 2, dv)
-                          for st, (r0, r1) in zip(states, runs)]) * decay
-        delta = beta * (v[t].float().reshape(n * hv, dv) - read[:, 1])  # read = (qᵀ, kᵀ) of the decayed state
-        qdotk = (qk[:, 0] * qk[:, 1]).sum(-1, keepdim=True)
-        outs.append((read[:, 0] + qdotk * delta).view(n, hv, dv))
+                          for st, (r0, r1) in zip(states, runs)]) * decay  # (qᵀ, kᵀ) of the decayed state
+        delta = beta * (v[t].reshape(n * hv, dv).float() - read[:, 1])
+        outs.append(torch.addcmul(read[:, 0], qdotk, delta).view(n, hv, dv))  # qᵀ(decayed S + k δᵀ)
         kcol, drow = qk[:, 1].unsqueeze(-1), delta.unsqueeze(1)
         for st, (r0, r1) in zip(states, runs):
             st.mul_(_like(decay[r0:r1], st))
@@ -213,7 +217,7 @@ def fused_sigmoid_gating_delta_rule_update_cpu(A_log, dt_bias, q, k, v, a, b, in
                 st.baddbmm_(kcol[r0:r1], drow[r0:r1])
             else:
                 st.addcmul_(_like(kcol[r0:r1], st), _like(drow[r0:r1], st))
-    res = torch.stack(outs, dim=1).to(out.dtype)
+    res = (outs[0].unsqueeze(1) if steps == 1 else torch.stack(outs, dim=1)).to(q.dtype)
     if rows is None:
         return res
     out[rows] = res
@@ -325,19 +329,22 @@ def chunk_gated_delta_rule_cpu(query, key, value, g, beta, initial_state, output
             prow = (offs[local // CHUNK] + rank[seq_of_tok]) * CHUNK + local % CHUNK
 
         def pad(x, heads):  # [T, heads, ...] -> [heads, chunks, C, ...] fp32, zero rows past each sequence
-            buf = x.new_zeros((padded, heads) + x.shape[2:], dtype=torch.float32)
+            xh = x.movedim(0, 1)  # [heads, T, ...]: one copy converts and transposes
             if prow is None:
-                buf[:total] = x
+                buf = torch.empty((heads, padded) + x.shape[2:])
+                buf[:, :total] = xh
+                buf[:, total:] = 0
             else:
-                buf[prow] = x.float()
-            return buf.view(-1, CHUNK, heads, *x.shape[2:]).movedim(2, 0).contiguous()
+                buf = torch.zeros((heads, padded) + x.shape[2:])
+                buf[:, prow] = xh.float()
+            return buf.view(heads, -1, CHUNK, *x.shape[2:])
 
         q32, k32 = query[0].float(), key[0].float()
         if use_qk_l2norm_in_kernel:
             q32, k32 = _l2norm(q32, eps), _l2norm(k32, eps)
         qp, kp = pad(q32 * dk ** -0.5, hk), pad(k32, hk)
         vp, gp, bp = pad(value[0], hv), pad(g[0], hv), pad(beta[0], hv)
-        outp = torch.empty(hv, qp.shape[1], CHUNK, dv)
+        outp = None if prow is None else torch.empty(hv, qp.shape[1], CHUNK, dv)
         s = states.index_select(0, torch.argsort(rank)).transpose(0, 1).contiguous()  # [Hv, N, Dk, Dv], rank order
         step = 0
         while step < len(active):  # blocks of whole steps, at most CHUNKS_PER_BLOCK chunks each (one step at least)
@@ -353,10 +360,14 @@ def chunk_gated_delta_rule_cpu(query, key, value, g, beta, initial_state, output
                 a_t[:, blk] += read[..., :CHUNK, :]
                 v_new = nv[:, blk].sub_(read[..., CHUNK:, :])
                 sc.mul_(dlast[:, blk, None, None]).add_(kd[:, blk].transpose(-1, -2) @ v_new)
-            outp[:, lo:hi] = a_t
+            if prow is None:  # one sequence: the block's chunks are its tokens lo*C .. hi*C
+                rows = min(hi * CHUNK, total) - lo * CHUNK
+                out[0, lo * CHUNK:lo * CHUNK + rows] = a_t.view(hv, -1, dv)[:, :rows].transpose(0, 1)
+            else:
+                outp[:, lo:hi] = a_t
             step = end
-        flat = outp.view(hv, -1, dv)
-        out[0] = (flat[:, :total] if prow is None else flat[:, prow]).transpose(0, 1)
+        if prow is not None:
+            out[0] = outp.view(hv, -1, dv)[:, prow].transpose(0, 1)
         states = s.transpose(0, 1).index_select(0, rank)
     write = (use & (lens > 0)).nonzero().squeeze(1)
     if initial_state_indices is not None and write.numel():
