@@ -29,6 +29,7 @@ CHAT_TEMPLATE = (
 FAMILIES = ("qwen3_moe", "qwen2_moe", "deepseek_v2", "qwen3_5_moe")
 DEFAULT_LAYERS = {"qwen3_5_moe": 4}  # one full-attention layer per four
 FULL_ATTENTION_INTERVAL = 4
+ROUTER_SCALE = 8.0  # qwen3_5_moe: router weights at 8 x the 0.02 init
 # Larger than HF's 0.02 so that routed experts and adapters move the logits visibly in a 2-layer model.
 DEFAULT_INIT_RANGE = 0.05
 
@@ -138,6 +139,10 @@ def build_tiny_moe(out_dir, family: str = "qwen3_moe", *, hidden_size: int = 128
             from transformers import Qwen3_5MoeForConditionalGeneration
 
             model = Qwen3_5MoeForConditionalGeneration(config)
+            with torch.no_grad():  # decisive routing at the 0.02 init (else near-ties everywhere): larger router
+                for name, param in model.named_parameters():
+                    if name.endswith("mlp.gate.weight"):
+                        param.mul_(ROUTER_SCALE)
         else:
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.to(torch.bfloat16).save_pretrained(tmp)

@@ -142,7 +142,9 @@ class HFReference:
                 # Qwen3.5's ConditionalGeneration keys name the text model model.language_model.
                 module = key.replace("base_model.model.", "").replace("model.language_model.", "model.")
                 module = module.split(".lora_A.")[0]
-                delta = scale * (peft[key.replace(".lora_A.", ".lora_B.")].float() @ a.float())
+                # SGLang's LoRA pool holds A and B in the model dtype (bf16): an fp32 adapter is served rounded
+                b = peft[key.replace(".lora_A.", ".lora_B.")]
+                delta = scale * (b.to(torch.bfloat16).float() @ a.to(torch.bfloat16).float())
                 if ".mlp.experts." in module:  # per-expert PEFT key -> slice of the fused 5.x parameter
                     prefix, rest = module.split(".mlp.experts.")
                     e, proj = rest.split(".")

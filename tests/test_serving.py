@@ -83,6 +83,20 @@ def assert_matches_reference(ref, prompt, ids, logprobs, adapter_dirs):
     return want
 
 
+def concurrent_equals_sequential(run, jobs) -> dict:
+    """``run(job) -> (ids, logprobs)`` for every job alone, then for all at once (one mixed batch): each job's
+    tokens equal and its logprobs within TOL. Returns the concurrent results by job."""
+    sequential = {job: run(job) for job in jobs}
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        futures = {job: pool.submit(run, job) for job in jobs}
+        results = {job: f.result() for job, f in futures.items()}
+    for job in jobs:
+        (seq_ids, seq_lp), (con_ids, con_lp) = sequential[job], results[job]
+        assert con_ids == seq_ids, job
+        assert max(abs(a - b) for a, b in zip(con_lp, seq_lp)) < TOL, job
+    return results
+
+
 # -- server 1: Qwen3-MoE, composite adapters per request, dynamic load/unload ---------------------------------
 @pytest.fixture(scope="module")
 def server_q3(qwen3):
@@ -129,16 +143,8 @@ def test_concurrent_mixed_batch_equals_sequential(server_q3, qwen3):
         name, prompt = job
         return complete(server_q3, model if name is None else f"{model}:{name}", list(prompt))
 
-    sequential = {job: run(job) for job in jobs}
-    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-        futures = {job: pool.submit(run, job) for job in jobs}
-        concurrent_results = {job: f.result() for job, f in futures.items()}
-    for job in jobs:
-        (seq_ids, seq_lp), (con_ids, con_lp) = sequential[job], concurrent_results[job]
-        assert con_ids == seq_ids, job
-        assert max(abs(a - b) for a, b in zip(con_lp, seq_lp)) < TOL, job
-        name, prompt = job
-        assert_matches_reference(ref, list(prompt), con_ids, con_lp, [] if name is None else [adapters[name]])
+    for (name, prompt), (ids, logprobs) in concurrent_equals_sequential(run, jobs).items():
+        assert_matches_reference(ref, list(prompt), ids, logprobs, [] if name is None else [adapters[name]])
 
 
 def test_unknown_adapter_is_4xx_and_server_keeps_serving(server_q3, qwen3):

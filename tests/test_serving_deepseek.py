@@ -10,8 +10,6 @@ routed experts, and a second adapter, per request and mixed in one batch.
 
 from __future__ import annotations
 
-import concurrent.futures
-
 import openai
 import pytest
 import torch
@@ -20,7 +18,7 @@ from kt_serve.formats import write_kt_sft_output
 from kt_serve.server import SGLangServer
 from kt_serve.tiny_model import build_tiny_moe
 from serving_reference import HFReference, model_dims, random_adapter
-from test_serving import LORA_ARGS, MIN_EFFECT, TOL, complete, pick_prompts
+from test_serving import LORA_ARGS, MIN_EFFECT, TOL, complete, concurrent_equals_sequential, pick_prompts
 
 # What SGLang's DeepSeek-V2 needs beyond transformers' DeepseekV2Config defaults (real DeepSeek-V2 configs have
 # them): yarn RoPE (its CPU rotary embedding is deepseek_yarn only), moe_layer_freq and scoring_func.
@@ -132,16 +130,8 @@ def test_concurrent_mixed_batch_equals_sequential(server_ds, deepseek):
         name, prompt = job
         return complete(server_ds, served(model, name), list(prompt))
 
-    sequential = {job: run(job) for job in jobs}
-    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-        futures = {job: pool.submit(run, job) for job in jobs}
-        concurrent_results = {job: f.result() for job, f in futures.items()}
-    for job in jobs:
-        (seq_ids, seq_lp), (con_ids, con_lp) = sequential[job], concurrent_results[job]
-        assert con_ids == seq_ids, job
-        assert max(abs(a - b) for a, b in zip(con_lp, seq_lp)) < TOL, job
-        name, prompt = job
-        check(ref, list(prompt), con_ids, con_lp, [] if name is None else [adapters[name]])
+    for (name, prompt), (ids, logprobs) in concurrent_equals_sequential(run, jobs).items():
+        check(ref, list(prompt), ids, logprobs, [] if name is None else [adapters[name]])
 
 
 def test_lora_on_a_module_the_mla_layer_lacks_is_refused(server_ds, deepseek, tmp_path):

@@ -52,3 +52,17 @@ def test_enforced_shared_expert_fusion_refused(moe_model):
     """Fused shared experts would land in the kernel as routed experts that expert adapters do not cover."""
     message = start_error(moe_model, ["--enforce-shared-experts-fusion"])
     assert "--enforce-shared-experts-fusion: the kt_serve kernel runs routed experts only" in message, message[-2000:]
+
+
+def test_text_only_qwen35_checkpoint_refused(workdir):
+    """transformers' text-only Qwen3_5MoeForCausalLM save has no SGLang model class: refused at start, not served
+    through SGLang's generic Transformers fallback (which would bypass the kernel and every expert adapter)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    official = build_tiny_moe(workdir / "qwen35", "qwen3_5_moe", hidden_size=64, moe_intermediate_size=32)
+    text_only = workdir / "qwen35_text_only"
+    AutoModelForCausalLM.from_pretrained(official, dtype=torch.bfloat16).save_pretrained(text_only)
+    build_tokenizer(1024).save_pretrained(text_only)
+    message = start_error(text_only, [])
+    assert f"kt_serve: {text_only} is a text-only Qwen3.5-MoE checkpoint" in message, message[-2000:]

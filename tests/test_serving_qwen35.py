@@ -11,22 +11,30 @@ chunks and the recurrent decode step are all compared.
 
 from __future__ import annotations
 
-import concurrent.futures
+from pathlib import Path
 
 import openai
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import kt_serve
+from kt_serve.formats.export import convert_adapter
 from kt_serve.server import SGLangServer
 from kt_serve.tiny_model import build_tiny_moe
 from qwen35_adapters import text_config, write_qwen35_adapter
 from serving_reference import HFReference
+from test_serving import concurrent_equals_sequential
 
+DATA_DIR = Path(kt_serve.__file__).parent / "data" / "example_dataset"
 TOL = 0.02
 MIN_EFFECT = 5 * TOL
 PROMPT_LEN, MAX_TOKENS, CHUNK = 20, 12, 8
-ARGS = ["--enable-lora", "--lora-backend", "torch_native", "--max-loras-per-batch", "4", "--max-running-requests", "8",
+CHECKED_DECODE = 3  # greedy steps after the prompt that must be routed without a near-tie too
+# Routing near-tie, as the DeepSeek and quantized serving tests: bf16 serving moves router probabilities by up to
+# ~2e-3, so a margin under 3e-3 may route differently (at 1e-3, one token was 0.043 nats off, its neighbours 0.017).
+TIE_MARGIN = 3e-3
+ARGS = ["--enable-lora", "--lora-backend", "torch_native", "--max-loras-per-batch", "6", "--max-running-requests", "8",
         "--chunked-prefill-size", str(CHUNK)]
 
 
@@ -49,6 +57,20 @@ def fuse_experts(model_dir):
     return model_dir
 
 
+def train_adapter(out_dir, model_dir):
+    """A Qwen3.5 adapter trained by kt_serve.train (pirate data, LoRA on every projection SGLang serves)."""
+    from kt_serve.train import load_config, train
+    from test_train_qwen35 import SERVABLE_TARGETS
+
+    cfg = load_config(None, [f"model_name_or_path={model_dir}", f"output_dir={out_dir}", "dataset=pirate_alpaca",
+                             f"dataset_dir={DATA_DIR}", "cutoff_len=64", f"lora_target={SERVABLE_TARGETS}",
+                             "max_steps=12", "learning_rate=1e-2", "per_device_train_batch_size=2", "logging_steps=4",
+                             "save_steps=1000", "kt_config.threads=2", "seed=3"])
+    history = train(cfg)
+    assert history[-1]["loss"] < history[0]["loss"]
+    return Path(out_dir)
+
+
 @pytest.fixture(scope="module")
 def qwen35(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("serving_qwen35")
@@ -59,21 +81,36 @@ def qwen35(tmp_path_factory):
         "nonexpert": write_qwen35_adapter(workdir / "nonexpert", model, seed=2, experts=False),
         "both2": write_qwen35_adapter(workdir / "both2", model, seed=3),
         "global": write_qwen35_adapter(workdir / "global", model, seed=4, nonexpert=False),
+        "trained": train_adapter(workdir / "trained", model),
     }
+    convert_adapter(adapters["trained"], merged_dir=workdir / "trained_merged")  # one PEFT dir, per-expert keys
+    adapters["trained_merged"] = workdir / "trained_merged"
     ref = HFReference(model)
-    # Per adapter set, prompts whose reference routing has no near-tie inside the prompt (past one, a bf16 server
-    # may pick another expert: a different computation; assert_matches stops at the first one after it). About
-    # one random 20-token prompt in four qualifies under a given set, so each set gets its own.
+    # Per adapter set, prompts whose reference routing has no near-tie inside the prompt and its first greedy
+    # decode steps (past one, a bf16 server may pick another expert: a different computation; assert_matches stops
+    # at the first one after it). About one random prompt in five qualifies under a given set, so each set gets
+    # its own.
     g = torch.Generator().manual_seed(0)
     prompts = {}
     for name, dirs in {None: [], "both": [adapters["both"]], "nonexpert": [adapters["nonexpert"]],
-                       "global": [adapters["global"]]}.items():
+                       "global": [adapters["global"]], "trained": [adapters["trained"]]}.items():
         prompts[name] = []
         while len(prompts[name]) < 2:
             prompt = torch.randint(3, 1000, (PROMPT_LEN,), generator=g).tolist()
-            if ref.logprobs_and_routing(prompt, 1, dirs)[1] >= PROMPT_LEN:
+            ids = greedy(ref, prompt, dirs, CHECKED_DECODE)
+            if ref.logprobs_and_routing(ids, 1, dirs, tie_margin=TIE_MARGIN)[1] >= PROMPT_LEN + CHECKED_DECODE:
                 prompts[name].append(prompt)
     return model, fused, adapters, ref, prompts
+
+
+def greedy(ref, prompt, dirs, n):
+    """The prompt and the reference's n greedy tokens after it (adapters merged)."""
+    ids = list(prompt)
+    ref.logprobs(ids, 1, dirs)  # merges dirs into ref.model
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(ref.model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids
 
 
 def complete(server, model, prompt):
@@ -84,7 +121,7 @@ def complete(server, model, prompt):
 
 
 def assert_matches(ref, prompt, ids, logprobs, dirs):
-    want, first_tie = ref.logprobs_and_routing(prompt + ids, len(prompt), dirs)
+    want, first_tie = ref.logprobs_and_routing(prompt + ids, len(prompt), dirs, tie_margin=TIE_MARGIN)
     compared = [(a, b) for i, (a, b) in enumerate(zip(logprobs, want)) if len(prompt) + i - 1 < first_tie]
     assert len(compared) >= 2, f"routing near-tie at position {first_tie}"
     diff = max(abs(a - b) for a, b in compared)
@@ -95,7 +132,8 @@ def assert_matches(ref, prompt, ids, logprobs, dirs):
 @pytest.fixture(scope="module")
 def server_composite(qwen35):
     model, _, adapters, _, _ = qwen35
-    args = ARGS + ["--lora-paths", *(f"{n}={adapters[n]}" for n in ("both", "nonexpert", "both2"))]
+    args = ARGS + ["--lora-paths", *(f"{n}={adapters[n]}" for n in ("both", "nonexpert", "both2", "trained",
+                                                                     "trained_merged"))]
     with SGLangServer(model, args) as server:
         yield server
 
@@ -112,6 +150,19 @@ def test_qwen35_per_request_adapter_matches_reference(server_composite, qwen35, 
             assert max(abs(a - b) for a, b in zip(logprobs, base)) > MIN_EFFECT
 
 
+def test_qwen35_trained_adapter_converts_and_serves(server_composite, qwen35):
+    """kt_serve.train's output dir, and the merged PEFT dir kt_serve.convert makes of it, serve per request as the
+    fp32 reference with the trained LoRA merged, and move the logprobs."""
+    model, _, adapters, ref, prompts = qwen35
+    for prompt in prompts["trained"]:
+        ids, logprobs = complete(server_composite, f"{model}:trained", prompt)
+        assert_matches(ref, prompt, ids, logprobs, [adapters["trained"]])
+        base = ref.logprobs(prompt + ids, len(prompt), [])
+        assert max(abs(a - b) for a, b in zip(logprobs, base)) > MIN_EFFECT
+        ids_m, logprobs_m = complete(server_composite, f"{model}:trained_merged", prompt)
+        assert ids_m == ids and max(abs(a - b) for a, b in zip(logprobs, logprobs_m)) < TOL
+
+
 def test_qwen35_concurrent_mixed_batch_equals_sequential(server_composite, qwen35):
     model, _, _, _, prompts = qwen35
     jobs = [(name, tuple(p)) for p in prompts[None] + prompts["both"] for name in (None, "both", "both2")]
@@ -120,12 +171,7 @@ def test_qwen35_concurrent_mixed_batch_equals_sequential(server_composite, qwen3
         name, prompt = job
         return complete(server_composite, model if name is None else f"{model}:{name}", list(prompt))
 
-    sequential = [run(j) for j in jobs]
-    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-        concurrent_ = list(pool.map(run, jobs))
-    for job, (ids_s, lp_s), (ids_c, lp_c) in zip(jobs, sequential, concurrent_):
-        assert ids_s == ids_c, job
-        assert max(abs(a - b) for a, b in zip(lp_s, lp_c)) < TOL, job
+    concurrent_equals_sequential(run, jobs)
 
 
 def test_qwen35_fused_checkpoint_with_global_expert_adapter(qwen35):

@@ -68,10 +68,11 @@ def from_cli_args_hook(server_args, *args, **kwargs):
         if not os.path.isdir(path):
             raise SystemExit(f"--kt-expert-lora-path {config.expert_lora_path}: not a directory")
         config = KTServeConfig(**{**values, "expert_lora_path": path})
+    message = unsupported_architecture(getattr(server_args, "model_path", None))
     if config.enabled:
-        message = unsupported_quantization(server_args)
-        if message:
-            raise SystemExit(message)
+        message = message or unsupported_quantization(server_args)
+    if message:
+        raise SystemExit(message)
     config.export()
     split_cores_between_ranks(server_args)
     return server_args
@@ -80,6 +81,30 @@ def from_cli_args_hook(server_args, *args, **kwargs):
 KERNEL_READS = ("the kt_serve kernel reads bf16 checkpoints and FP8 block-quantized ones (quant_method fp8 with "
                 "weight_block_size): serve one of those, with --kt-expert-dtype int8 or int4 to quantize the routed "
                 "experts at load, or pass --kt-moe off to leave the experts to SGLang")
+
+
+# Architectures stock SGLang 0.5.23 has no model class for, though a sibling layout of the same family is served:
+# it would fall back to its generic TransformersForCausalLM (no FusedMoE, so no kernel and no expert adapter).
+UNSERVED_ARCHITECTURES = {
+    "Qwen3_5MoeForCausalLM": "a text-only Qwen3.5-MoE checkpoint (what transformers' Qwen3_5MoeForCausalLM saves); "
+                             "SGLang 0.5.23 serves Qwen3.5-MoE as the official Qwen3_5MoeForConditionalGeneration "
+                             "layout only (model.language_model.* weights, text_config, processor files)",
+}
+
+
+def unsupported_architecture(model_path) -> str | None:
+    """One line refusing a local checkpoint whose architecture SGLang would serve through its generic fallback."""
+    import json
+
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            architectures = json.load(f).get("architectures") or []
+    except (OSError, ValueError, TypeError):
+        return None
+    for arch in architectures:
+        if arch in UNSERVED_ARCHITECTURES:
+            return f"kt_serve: {model_path} is {UNSERVED_ARCHITECTURES[arch]}"
+    return None
 
 
 def checkpoint_quantization(model_path: str):
