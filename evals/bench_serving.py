@@ -1,6 +1,6 @@
 """Serving benchmark: decode tok/s and peak server RSS, kt_serve plugin vs SGLang's own CPU MoE path, one run.
 
-    python evals/bench_serving.py [--out DIR] [--preset small|qwen3-30b-a3b] [--layers N] [--tokens 64] [--streams 1 8]
+    python evals/bench_serving.py [--out DIR] [--preset small|qwen3-30b-a3b|qwen3_5-moe] [--family F] [--layers N] [--tokens 64] [--streams 1 8]
                                   [--hidden H --moe-intermediate I --experts E --top-k K --vocab V]
 
 Presets (single flags override them):
@@ -57,7 +57,7 @@ USER_ENV = {TORCH_OMP_SPIN[0]: os.environ.get(TORCH_OMP_SPIN[0])}
 share_cores_with_torch()
 
 from kt_serve.server import SGLangServer  # noqa: E402
-from kt_serve.tiny_model import build_tiny_moe  # noqa: E402
+from kt_serve.tiny_model import FAMILIES, build_tiny_moe  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -220,6 +220,8 @@ def main(argv=None):
     ap.add_argument("--preset", choices=list(PRESETS), default="small")
     for flag in ("hidden", "moe-intermediate", "experts", "top-k", "layers", "vocab"):
         ap.add_argument(f"--{flag}", type=int, default=None, help="default: the preset's")
+    ap.add_argument("--family", choices=FAMILIES, default=None,
+                    help="model family at the preset's shape (default: the preset's; qwen3_5_moe = preset qwen3_5-moe)")
     ap.add_argument("--sequential", action=argparse.BooleanOptionalAction, default=None,
                     help="one server at a time (default: the preset's)")
     ap.add_argument("--tokens", type=int, default=64)
