@@ -18,7 +18,8 @@ from kt_serve.formats import write_kt_sft_output
 from kt_serve.server import SGLangServer
 from kt_serve.tiny_model import build_tiny_moe
 from serving_reference import HFReference, model_dims, random_adapter
-from test_serving import LORA_ARGS, MIN_EFFECT, TOL, complete, concurrent_equals_sequential, pick_prompts
+from test_serving import (LORA_ARGS, MIN_EFFECT, assert_matches_reference, complete,
+                          concurrent_equals_sequential, pick_prompts)
 
 # What SGLang's DeepSeek-V2 needs beyond transformers' DeepseekV2Config defaults (real DeepSeek-V2 configs have
 # them): yarn RoPE (its CPU rotary embedding is deepseek_yarn only), moe_layer_freq and scoring_func.
@@ -95,13 +96,7 @@ def served(model, name):
 
 def check(ref, prompt, ids, logprobs, adapter_dirs) -> list[int]:
     """Served logprobs within TOL of the reference up to its first routing near-tie; returns those positions."""
-    want, first_tie = ref.logprobs_and_routing(prompt + ids, len(prompt), adapter_dirs, tie_margin=TIE_MARGIN)
-    keep = [i for i in range(len(logprobs)) if len(prompt) + i - 1 < first_tie]
-    assert keep, f"routing near-tie inside the prompt (position {first_tie}); pick another prompt"
-    diff = max(abs(logprobs[i] - want[i]) for i in keep)
-    assert diff < TOL, (f"served {logprobs} vs reference {want} (max diff {diff:.4f} over {len(keep)} tokens, "
-                        f"adapters {adapter_dirs})")
-    return keep
+    return assert_matches_reference(ref, prompt, ids, logprobs, adapter_dirs, tie_margin=TIE_MARGIN)
 
 
 def test_every_adapter_part_matches_reference(server_ds, deepseek):

@@ -24,11 +24,10 @@ from kt_serve.server import SGLangServer
 from kt_serve.tiny_model import build_tiny_moe
 from qwen35_adapters import text_config, write_qwen35_adapter
 from serving_reference import HFReference
-from test_serving import concurrent_equals_sequential
+from test_serving import MIN_EFFECT, TOL, assert_matches_reference, concurrent_equals_sequential
+from test_serving import complete as serving_complete
 
 DATA_DIR = Path(kt_serve.__file__).parent / "data" / "example_dataset"
-TOL = 0.02
-MIN_EFFECT = 5 * TOL
 PROMPT_LEN, MAX_TOKENS, CHUNK = 20, 12, 8
 CHECKED_DECODE = 3  # greedy steps after the prompt that must be routed without a near-tie too
 # Routing near-tie, as the DeepSeek and quantized serving tests: bf16 serving moves router probabilities by up to
@@ -114,28 +113,51 @@ def greedy(ref, prompt, dirs, n):
 
 
 def complete(server, model, prompt):
-    c = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", timeout=300, max_retries=0)
-    r = c.completions.create(model=str(model), prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=1,
-                             extra_body={"return_token_ids": True, "ignore_eos": True})
-    return list(r.choices[0].token_ids), list(r.choices[0].logprobs.token_logprobs)
+    """Greedy MAX_TOKENS decode steps, past any EOS."""
+    return serving_complete(server, model, prompt, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 def assert_matches(ref, prompt, ids, logprobs, dirs):
-    want, first_tie = ref.logprobs_and_routing(prompt + ids, len(prompt), dirs, tie_margin=TIE_MARGIN)
-    compared = [(a, b) for i, (a, b) in enumerate(zip(logprobs, want)) if len(prompt) + i - 1 < first_tie]
-    assert len(compared) >= 2, f"routing near-tie at position {first_tie}"
-    diff = max(abs(a - b) for a, b in compared)
-    assert diff < TOL, f"served {logprobs} vs reference {want}: max diff {diff:.4f} ({len(compared)} tokens, {dirs})"
-    return want
+    """test_serving's check at this file's tie margin, with a decode step compared besides the first token."""
+    return assert_matches_reference(ref, prompt, ids, logprobs, dirs, tie_margin=TIE_MARGIN, min_compared=2)
 
 
 @pytest.fixture(scope="module")
-def server_composite(qwen35):
+def server_composite(qwen35, tmp_path_factory):
     model, _, adapters, _, _ = qwen35
-    args = ARGS + ["--lora-paths", *(f"{n}={adapters[n]}" for n in ("both", "nonexpert", "both2", "trained",
-                                                                     "trained_merged"))]
+    cache = tmp_path_factory.mktemp("lora_cache")
+    args = ARGS + ["--kt-lora-cache-dir", str(cache), "--lora-paths",
+                   *(f"{n}={adapters[n]}" for n in ("both", "nonexpert", "both2", "trained", "trained_merged"))]
     with SGLangServer(model, args) as server:
+        server.lora_cache = cache
         yield server
+
+
+def test_qwen35_lora_sglang_cannot_apply_is_refused(server_composite, qwen35, tmp_path):
+    """An adapter with in_proj_a LoRA (what lora_target: all trains) answers /load_lora_adapter with a 4xx in one
+    line naming the module, writes no split, cannot be requested, and the server keeps serving."""
+    from kt_serve.formats import load_adapter_dir, write_kt_sft_output
+
+    model, _, adapters, ref, prompts = qwen35
+    good = load_adapter_dir(adapters["both"])
+    H, heads = text_config(model)["hidden_size"], text_config(model)["linear_num_value_heads"]
+    module = "model.language_model.layers.0.linear_attn.in_proj_a"
+    nonexpert = {**good.nonexpert, f"{module}.lora_A.weight": torch.zeros(good.rank, H, dtype=torch.bfloat16),
+                 f"{module}.lora_B.weight": torch.zeros(heads, good.rank, dtype=torch.bfloat16)}
+    bad = write_kt_sft_output(tmp_path / "bad", nonexpert=nonexpert, experts=good.experts,
+                              adapter_config={"r": good.rank, "lora_alpha": good.alpha},
+                              base_model_name_or_path=str(model))
+    splits = sorted(server_composite.lora_cache.iterdir())
+    status, body = server_composite.post("/load_lora_adapter", {"lora_name": "bad", "lora_path": str(bad)})
+    message = body.get("error_message") or body.get("message") or str(body)
+    assert 400 <= status < 500 and not body.get("success", False), body
+    assert f"LoRA on {module}: Qwen3.5's in_proj_b / in_proj_a are one fused in_proj_ba in SGLang" in message, message
+    assert "\n" not in message, message
+    assert sorted(server_composite.lora_cache.iterdir()) == splits
+    with pytest.raises(openai.APIStatusError):
+        complete(server_composite, f"{model}:bad", prompts["both"][0])
+    ids, logprobs = complete(server_composite, f"{model}:both", prompts["both"][0])
+    assert_matches(ref, prompts["both"][0], ids, logprobs, [adapters["both"]])
 
 
 @pytest.mark.parametrize("name", [None, "nonexpert", "both"])

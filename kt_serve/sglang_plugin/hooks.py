@@ -67,15 +67,17 @@ def _register_worker_hooks(HookRegistry, HookType) -> None:
     from . import mla_lora  # LoRA on every DeepSeek MLA projection (kv_b_proj's absorbed correction in torch on CPU)
 
     mla_lora.register(HookRegistry, HookType)
+    from . import lora_hooks
+
+    # Also with --kt-moe off: adapter names SGLang reads otherwise (Qwen3.5's in_proj_qkv) are mapped, modules it
+    # cannot apply refused, and a composite adapter gets a one-line reason instead of SGLang's key error.
+    HookRegistry.register(f"{LORA_MANAGER}._load_lora_adapter", lora_hooks.load_lora_adapter, HookType.AROUND)
     config = get_config()
     if not config.enabled:
         return
-    from . import lora_hooks
-
     HookRegistry.register(f"{RUNTIME_CONTEXT}.publish", keep_shared_experts_separate, HookType.AFTER)
     HookRegistry.register(f"{FUSED_MOE}.__init__", fused_moe_init, HookType.BEFORE)
     HookRegistry.register(f"{MODEL_RUNNER}.load_model", after_load_model, HookType.AFTER)
-    HookRegistry.register(f"{LORA_MANAGER}._load_lora_adapter", lora_hooks.load_lora_adapter, HookType.AROUND)
     HookRegistry.register(f"{LORA_MANAGER}._unload_lora_adapter", lora_hooks.unload_lora_adapter, HookType.AROUND)
     HookRegistry.register(f"{LORA_MANAGER}.prepare_lora_batch", lora_hooks.prepare_lora_batch, HookType.AFTER)
     HookRegistry.register(f"{LORA_MANAGER}.init_lora_modules", lora_hooks.init_lora_modules, HookType.AROUND)
