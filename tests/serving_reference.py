@@ -42,13 +42,16 @@ def model_dims(model_dir) -> dict:
     prefix, shared_I = shared
     shared_modules = {f"{prefix}.gate_proj": (H, shared_I), f"{prefix}.up_proj": (H, shared_I),
                       f"{prefix}.down_proj": (shared_I, H)} if shared_I else {}
+    gates = {"mlp.gate": (H, E), **({"mlp.shared_expert_gate": (H, 1)} if prefix == "mlp.shared_expert" and shared_I
+                                    else {})}
     return dict(E=E, H=H, I=cfg["moe_intermediate_size"], L=cfg["num_hidden_layers"], attention=attention,
-                shared_expert=shared_modules)
+                shared_expert=shared_modules, gates=gates)
 
 
 def random_adapter(model_dir, *, seed: int, rank: int = 4, attention: bool = True, experts: bool = True,
-                   shared_expert: bool = False, scale: float = 0.1):
-    """(nonexpert PEFT tensors keyed model.layers..., experts {layer: {kt name: tensor}}) with visible effect."""
+                   shared_expert: bool = False, gates: bool = False, scale: float = 0.1):
+    """(nonexpert PEFT tensors keyed model.layers..., experts {layer: {kt name: tensor}}) with visible effect.
+    gates: LoRA on the router (mlp.gate) and, where the model has one, the shared-expert gate."""
     d = model_dims(model_dir)
     g = torch.Generator().manual_seed(seed)
 
@@ -57,7 +60,8 @@ def random_adapter(model_dir, *, seed: int, rank: int = 4, attention: bool = Tru
 
     if shared_expert and not d["shared_expert"]:
         raise ValueError(f"{model_dir}: the model has no shared expert")
-    modules = {**(d["attention"] if attention else {}), **(d["shared_expert"] if shared_expert else {})}
+    modules = {**(d["attention"] if attention else {}), **(d["shared_expert"] if shared_expert else {}),
+               **(d["gates"] if gates else {})}
     nonexpert, expert = {}, {}
     for layer in range(d["L"]):
         for module, (fan_in, fan_out) in modules.items():

@@ -36,7 +36,7 @@ def qwen3(workdir):
     adapters = {
         "both": write_kt_adapter(workdir / "both", model, seed=1),                       # attention + experts
         "attn": write_kt_adapter(workdir / "attn", model, seed=2, experts=False),        # non-expert only
-        "both2": write_kt_adapter(workdir / "both2", model, seed=3),
+        "both2": write_kt_adapter(workdir / "both2", model, seed=3, gates=True),        # + router LoRA
         "global": write_expert_peft_adapter(workdir / "global", model, seed=4),          # expert only
     }
     ref = HFReference(model)
@@ -213,11 +213,12 @@ def test_global_expert_adapter(server_q3_global, qwen3, name, expected):
     assert_matches_reference(ref, prompt, ids, logprobs, [adapters[k] for k in expected])
 
 
-# -- server 3: Qwen2-MoE (shared expert + sigmoid gate); shared-expert LoRA must not wrap FusedMoE -------------
+# -- server 3: Qwen2-MoE (shared expert + sigmoid gate); shared-expert LoRA must not wrap FusedMoE; router and
+# shared-expert-gate LoRA (the plugin's gate LoRA) --------------------------------------------------------------
 @pytest.fixture(scope="module")
 def qwen2(workdir):
     model = str(build_tiny_moe(workdir / "qwen2", "qwen2_moe"))
-    both = write_kt_adapter(workdir / "q2both", model, seed=5, shared_expert=True)
+    both = write_kt_adapter(workdir / "q2both", model, seed=5, shared_expert=True, gates=True)
     ref = HFReference(model)
     return model, both, ref, pick_prompts(ref, [[], [both]], n=1)
 

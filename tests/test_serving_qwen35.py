@@ -11,6 +11,7 @@ chunks and the recurrent decode step are all compared.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import openai
@@ -29,10 +30,15 @@ from test_serving import complete as serving_complete
 
 DATA_DIR = Path(kt_serve.__file__).parent / "data" / "example_dataset"
 PROMPT_LEN, MAX_TOKENS, CHUNK = 20, 12, 8
-CHECKED_DECODE = 3  # greedy steps after the prompt that must be routed without a near-tie too
+CHECKED_DECODE = 6  # generated tokens compared: the prompt and these steps are checked for near-ties and bf16 error
 # Routing near-tie, as the DeepSeek and quantized serving tests: bf16 serving moves router probabilities by up to
 # ~2e-3, so a margin under 3e-3 may route differently (at 1e-3, one token was 0.043 nats off, its neighbours 0.017).
 TIE_MARGIN = 3e-3
+# Beyond routing ties, the tiny model amplifies bf16 rounding on some prompts: transformers' own model run in bf16 is
+# up to 0.02-0.08 nats off its fp32 self there (measured with and without the trained adapter). Such a prompt cannot
+# tell a correct bf16 server from a wrong one, so prompts are kept only where the bf16 twin is within BF16_SLACK.
+BF16_SLACK = TOL / 2
+MAX_CANDIDATES = 400  # random prompts tried per adapter set before the fixture gives up
 ARGS = ["--enable-lora", "--lora-backend", "torch_native", "--max-loras-per-batch", "6", "--max-running-requests", "8",
         "--chunked-prefill-size", str(CHUNK)]
 
@@ -57,12 +63,12 @@ def fuse_experts(model_dir):
 
 
 def train_adapter(out_dir, model_dir):
-    """A Qwen3.5 adapter trained by kt_serve.train (pirate data, LoRA on every projection SGLang serves)."""
+    """A Qwen3.5 adapter trained by kt_serve.train (pirate data, lora_target: all: every projection, linear
+    attention's in_proj_a / in_proj_b, the shared-expert gate and the routers included)."""
     from kt_serve.train import load_config, train
-    from test_train_qwen35 import SERVABLE_TARGETS
 
     cfg = load_config(None, [f"model_name_or_path={model_dir}", f"output_dir={out_dir}", "dataset=pirate_alpaca",
-                             f"dataset_dir={DATA_DIR}", "cutoff_len=64", f"lora_target={SERVABLE_TARGETS}",
+                             f"dataset_dir={DATA_DIR}", "cutoff_len=64", "lora_target=all",
                              "max_steps=12", "learning_rate=1e-2", "per_device_train_batch_size=2", "logging_steps=4",
                              "save_steps=1000", "kt_config.threads=2", "seed=3"])
     history = train(cfg)
@@ -87,19 +93,33 @@ def qwen35(tmp_path_factory):
     ref = HFReference(model)
     # Per adapter set, prompts whose reference routing has no near-tie inside the prompt and its first greedy
     # decode steps (past one, a bf16 server may pick another expert: a different computation; assert_matches stops
-    # at the first one after it). About one random prompt in five qualifies under a given set, so each set gets
-    # its own.
+    # at the first one after it), and on which bf16 arithmetic itself stays close to fp32. About one random prompt
+    # in five qualifies under a given set, so each set gets its own.
+    twin = copy.deepcopy(ref.model).to(torch.bfloat16)
     g = torch.Generator().manual_seed(0)
     prompts = {}
     for name, dirs in {None: [], "both": [adapters["both"]], "nonexpert": [adapters["nonexpert"]],
                        "global": [adapters["global"]], "trained": [adapters["trained"]]}.items():
         prompts[name] = []
-        while len(prompts[name]) < 2:
+        for _ in range(MAX_CANDIDATES):
             prompt = torch.randint(3, 1000, (PROMPT_LEN,), generator=g).tolist()
             ids = greedy(ref, prompt, dirs, CHECKED_DECODE)
-            if ref.logprobs_and_routing(ids, 1, dirs, tie_margin=TIE_MARGIN)[1] >= PROMPT_LEN + CHECKED_DECODE:
+            want, first_tie = ref.logprobs_and_routing(ids, PROMPT_LEN, dirs, tie_margin=TIE_MARGIN)
+            if first_tie >= PROMPT_LEN + CHECKED_DECODE and bf16_error(twin, ref, ids, want) < BF16_SLACK:
                 prompts[name].append(prompt)
+                if len(prompts[name]) == 2:
+                    break
+        assert len(prompts[name]) == 2, f"adapter set {name}: {MAX_CANDIDATES} random prompts, too few without a tie"
     return model, fused, adapters, ref, prompts
+
+
+def bf16_error(twin, ref, ids, want):
+    """Largest |logprob| difference between the reference (its adapters merged, fp32) and the same weights in bf16
+    (``twin``), over the tokens after the prompt."""
+    twin.load_state_dict(ref.model.state_dict())  # rounds the merged fp32 weights to bf16
+    with torch.no_grad():
+        logp = torch.log_softmax(twin(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return max(abs(float(logp[i - 1, ids[i]]) - w) for i, w in zip(range(PROMPT_LEN, len(ids)), want))
 
 
 def greedy(ref, prompt, dirs, n):
@@ -118,8 +138,10 @@ def complete(server, model, prompt):
 
 
 def assert_matches(ref, prompt, ids, logprobs, dirs):
-    """test_serving's check at this file's tie margin, with a decode step compared besides the first token."""
-    return assert_matches_reference(ref, prompt, ids, logprobs, dirs, tie_margin=TIE_MARGIN, min_compared=2)
+    """test_serving's check at this file's tie margin over the first CHECKED_DECODE generated tokens (the window the
+    fixture checked), at least two of them."""
+    n = CHECKED_DECODE
+    return assert_matches_reference(ref, prompt, ids[:n], logprobs[:n], dirs, tie_margin=TIE_MARGIN, min_compared=2)
 
 
 @pytest.fixture(scope="module")
@@ -133,17 +155,17 @@ def server_composite(qwen35, tmp_path_factory):
         yield server
 
 
-def test_qwen35_lora_sglang_cannot_apply_is_refused(server_composite, qwen35, tmp_path):
-    """An adapter with in_proj_a LoRA (what lora_target: all trains) answers /load_lora_adapter with a 4xx in one
-    line naming the module, writes no split, cannot be requested, and the server keeps serving."""
+def test_qwen35_lora_nothing_can_apply_is_refused(server_composite, qwen35, tmp_path):
+    """An adapter with LoRA on the GDN short convolution answers /load_lora_adapter with a 4xx in one line naming the
+    module, writes no split, cannot be requested, and the server keeps serving."""
     from kt_serve.formats import load_adapter_dir, write_kt_sft_output
 
     model, _, adapters, ref, prompts = qwen35
     good = load_adapter_dir(adapters["both"])
-    H, heads = text_config(model)["hidden_size"], text_config(model)["linear_num_value_heads"]
-    module = "model.language_model.layers.0.linear_attn.in_proj_a"
-    nonexpert = {**good.nonexpert, f"{module}.lora_A.weight": torch.zeros(good.rank, H, dtype=torch.bfloat16),
-                 f"{module}.lora_B.weight": torch.zeros(heads, good.rank, dtype=torch.bfloat16)}
+    channels, kernel = 2 * text_config(model)["linear_key_head_dim"] * text_config(model)["linear_num_key_heads"], 4
+    module = "model.language_model.layers.0.linear_attn.conv1d"
+    nonexpert = {**good.nonexpert, f"{module}.lora_A.weight": torch.zeros(good.rank, kernel, dtype=torch.bfloat16),
+                 f"{module}.lora_B.weight": torch.zeros(channels, good.rank, dtype=torch.bfloat16)}
     bad = write_kt_sft_output(tmp_path / "bad", nonexpert=nonexpert, experts=good.experts,
                               adapter_config={"r": good.rank, "lora_alpha": good.alpha},
                               base_model_name_or_path=str(model))
@@ -151,7 +173,7 @@ def test_qwen35_lora_sglang_cannot_apply_is_refused(server_composite, qwen35, tm
     status, body = server_composite.post("/load_lora_adapter", {"lora_name": "bad", "lora_path": str(bad)})
     message = body.get("error_message") or body.get("message") or str(body)
     assert 400 <= status < 500 and not body.get("success", False), body
-    assert f"LoRA on {module}: Qwen3.5's in_proj_b / in_proj_a are one fused in_proj_ba in SGLang" in message, message
+    assert f"LoRA on {module}: SGLang has no LoRA layer for Qwen3.5's short convolution" in message, message
     assert "\n" not in message, message
     assert sorted(server_composite.lora_cache.iterdir()) == splits
     with pytest.raises(openai.APIStatusError):

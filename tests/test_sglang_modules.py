@@ -1,5 +1,6 @@
 """Qwen3.5 LoRA names rewritten for SGLang's modules (kt_serve.formats.sglang_modules): the weight deltas B @ A
-SGLang would apply per output row must equal the adapter's own, and modules SGLang cannot apply are refused."""
+SGLang would apply per output row must equal the adapter's own, gate LoRA is set apart for the plugin, and modules
+nothing can apply are refused."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from kt_serve.formats import FormatError
-from kt_serve.formats.sglang_modules import gdn_dims, needs_sglang_names, to_sglang_modules
+from kt_serve.formats.sglang_modules import gdn_dims, needs_sglang_names, split_gate_modules, to_sglang_modules
 
 H, R, KD, VD = 24, 4, 8, 16
 DIMS = {"key_dim": KD, "value_dim": VD}
@@ -50,11 +51,26 @@ def test_untrained_stack_members_are_zero_lora():
     assert targets == ["in_proj_qkvz", "out_proj"]
 
 
-@pytest.mark.parametrize("leaf", ["in_proj_a", "in_proj_b"])
-def test_modules_sglang_cannot_apply_are_refused(leaf):
-    tensors = peft(in_proj_qkv=lora(2 * KD + VD, 0), **{leaf: lora(4, 5)})
-    with pytest.raises(FormatError, match=rf"adapter: LoRA on {PREFIX}\.{leaf}: .*in_proj_ba"):
+def test_modules_nothing_can_apply_are_refused():
+    tensors = peft(in_proj_qkv=lora(2 * KD + VD, 0), conv1d=lora(4, 5))
+    with pytest.raises(FormatError, match=rf"adapter: LoRA on {PREFIX}\.conv1d: SGLang has no LoRA layer for "
+                                          r"Qwen3\.5's short convolution; train the adapter without conv1d"):
         to_sglang_modules("adapter", tensors, DIMS)
+
+
+def test_gate_modules_go_to_the_plugin_by_layer_and_leaf():
+    """in_proj_a / in_proj_b (SGLang's fused in_proj_ba) and the routers are taken out for the plugin's gate LoRA,
+    the rest is left for SGLang."""
+    b, a, qkv = lora(4, 5), lora(4, 6), lora(2 * KD + VD, 0)
+    router = lora(8, 7)
+    tensors = {**peft(in_proj_b=b, in_proj_a=a, in_proj_qkv=qkv),
+               "model.language_model.layers.3.mlp.gate.lora_A.weight": router[0],
+               "model.language_model.layers.3.mlp.gate.lora_B.weight": router[1]}
+    assert needs_sglang_names(peft(in_proj_b=b))
+    rest, gates = split_gate_modules("adapter", tensors)
+    assert rest == peft(in_proj_qkv=qkv)
+    assert sorted(gates) == [(0, "in_proj_a"), (0, "in_proj_b"), (3, "gate")]
+    assert gates[(0, "in_proj_a")]["A"] is a[0] and gates[(3, "gate")]["B"] is router[1]
 
 
 def test_rows_that_do_not_fit_the_model_are_refused():

@@ -1,6 +1,6 @@
 """kt_serve.train on Qwen3.5-MoE (Gated DeltaNet + gated full attention, shared expert): gradient parity with the
-pure-torch reference (tests/train_reference.py on transformers' own torch GDN path), LoRA on every projection
-SGLang can serve, linear attention included."""
+pure-torch reference (tests/train_reference.py on transformers' own torch GDN path) with lora_target: all — every
+projection, linear attention (in_proj_a / in_proj_b too), the shared-expert gate and the routers."""
 
 from __future__ import annotations
 
@@ -9,11 +9,9 @@ import pytest
 from kt_serve.tiny_model import build_tiny_moe
 from test_train import check_parity
 
-# The trainable projections SGLang 0.5.23 applies LoRA to on Qwen3.5 (formats.sglang_modules refuses the rest).
-SERVABLE_TARGETS = "q_proj,k_proj,v_proj,o_proj,in_proj_qkv,in_proj_z,out_proj,gate_proj,up_proj,down_proj"
-LINEAR = [f"linear_attn.{m}" for m in ("in_proj_qkv", "in_proj_z", "out_proj")]
+LINEAR = [f"linear_attn.{m}" for m in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")]
 FULL = [f"self_attn.{p}_proj" for p in "qkvo"]
-SHARED = [f"mlp.shared_expert.{p}_proj" for p in ("gate", "up", "down")]
+SHARED = [f"mlp.shared_expert.{p}_proj" for p in ("gate", "up", "down")] + ["mlp.shared_expert_gate", "mlp.gate"]
 
 
 @pytest.fixture(scope="module")
@@ -24,5 +22,5 @@ def qwen35(tmp_path_factory):
 
 def test_qwen35_gradient_parity_with_pure_torch_reference(qwen35, tmp_path):
     kinds = ["linear"] * 3 + ["full"]
-    check_parity(qwen35, qwen35, tmp_path, SERVABLE_TARGETS,
+    check_parity(qwen35, qwen35, tmp_path, "all",
                  lambda layer: (LINEAR if kinds[layer] == "linear" else FULL) + SHARED, "qwen3_5_moe", layers=4)

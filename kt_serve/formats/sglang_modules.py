@@ -1,15 +1,20 @@
-"""PEFT module names that SGLang 0.5.23's LoRA manager does not take as they are: what they become, and which it
-cannot apply at all.
+"""PEFT module names that SGLang 0.5.23's LoRA manager does not take as they are: what they become, which the
+plugin applies itself, and which cannot be applied at all.
 
 transformers' Qwen3.5 Gated DeltaNet layers have ``in_proj_qkv`` and ``in_proj_z`` where SGLang has one fused
 ``in_proj_qkvz``; SGLang builds its LoRA from four split modules ``in_proj_q`` / ``in_proj_k`` / ``in_proj_v`` /
 ``in_proj_z`` (sglang/srt/lora/lora.py ``_normalize_in_proj_qkvz``, which skips a layer lacking any of the four).
 A LoRA on ``in_proj_qkv`` is exactly three LoRAs that share its A and take the row blocks of its B, so the split is
 lossless; a part the adapter does not train is written as a zero LoRA (B = 0), which changes nothing.
+
+SGLang has no LoRA layer at all for the small gating projections ``lora_target: all`` also trains: the MoE router
+(``mlp.gate``), the shared-expert gate and Qwen3.5's beta / decay gates (``in_proj_b`` / ``in_proj_a``, one fused
+``in_proj_ba`` in SGLang). Those go to the plugin's own gate LoRA (``sglang_plugin/gate_lora.py``), per request.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -39,11 +44,28 @@ class StackedModule:
 SPLITS = (SplitModule("in_proj_qkv", ("in_proj_q", "in_proj_k", "in_proj_v"), ("key_dim", "key_dim", "value_dim")),)
 STACKS = (StackedModule("in_proj_qkvz", ("in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z"),
                         ("key_dim", "key_dim", "value_dim", "value_dim")),)
-# Leaves with no LoRA layer in SGLang 0.5.23 (its supported_lora_modules), so an adapter holding them is refused.
+
+
+@dataclass(frozen=True)
+class GateModule:
+    """A PEFT module the plugin's gate LoRA applies: the SGLang module (its path inside a decoder layer) whose
+    output gets the LoRA delta, and which of that module's stacked outputs the PEFT module is."""
+
+    source: str                  # leaf name in the PEFT adapter
+    module: str                  # e.g. "linear_attn.in_proj_ba"
+    part: int                    # output block of ``module`` (in_proj_ba = b | a)
+
+
+GATE_MODULES = {m.source: m for m in (
+    GateModule("gate", "mlp.gate", 0),                            # MoE router (Qwen, DeepSeek)
+    GateModule("shared_expert_gate", "mlp.shared_expert_gate", 0),
+    GateModule("in_proj_b", "linear_attn.in_proj_ba", 0),
+    GateModule("in_proj_a", "linear_attn.in_proj_ba", 1),
+)}
+_GATE_KEY_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
+# Leaves no LoRA layer applies (neither SGLang 0.5.23's nor the plugin's), so an adapter holding them is refused.
 UNSUPPORTED = {
-    "in_proj_b": "Qwen3.5's in_proj_b / in_proj_a are one fused in_proj_ba in SGLang, which has no LoRA layer",
-    "in_proj_a": "Qwen3.5's in_proj_b / in_proj_a are one fused in_proj_ba in SGLang, which has no LoRA layer",
-    "shared_expert_gate": "SGLang has no LoRA layer for the shared-expert gate (a [1, hidden] projection)",
+    "conv1d": "SGLang has no LoRA layer for Qwen3.5's short convolution",
 }
 
 
@@ -68,15 +90,42 @@ def _leaf_split(key: str) -> tuple[str, str, str] | None:
 
 def needs_sglang_names(keys) -> bool:
     """Whether any key names a module this table rewrites or refuses."""
-    leaves = {s.source for s in SPLITS} | {m for s in STACKS for m in s.members} | set(UNSUPPORTED)
+    leaves = {s.source for s in SPLITS} | {m for s in STACKS for m in s.members} | set(UNSUPPORTED) | set(GATE_MODULES)
     return any((p := _leaf_split(k)) is not None and p[1] in leaves for k in keys)
+
+
+def split_gate_modules(path, tensors: Mapping[str, torch.Tensor]
+                       ) -> tuple[dict[str, torch.Tensor], dict[tuple[int, str], dict[str, torch.Tensor]]]:
+    """(the tensors SGLang's LoRA manager takes, the gate LoRA): the latter keyed by (decoder layer, PEFT leaf),
+    each {"A": [r, in], "B": [out, r]}."""
+    rest: dict[str, torch.Tensor] = {}
+    gates: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        parts = _leaf_split(key)
+        if parts is None or parts[1] not in GATE_MODULES:
+            rest[key] = value
+            continue
+        prefix, leaf, tail = parts
+        gate = GATE_MODULES[leaf]
+        match = _GATE_KEY_RE.search(f"{prefix}.{leaf}")
+        if match is None or match.group(2) != gate.module.rsplit(".", 1)[0] + f".{leaf}":
+            raise FormatError(path, f"{key}: LoRA on {leaf} is applied as {gate.module} of a decoder layer "
+                                    f"(layers.N.{gate.module.rsplit('.', 1)[0]}.{leaf}); this key is not one")
+        if tail not in (".lora_A.weight", ".lora_B.weight"):
+            raise FormatError(path, f"{key}: expected {leaf}.lora_A.weight / lora_B.weight")
+        gates.setdefault((int(match.group(1)), leaf), {})[tail[6]] = value
+    for (layer, leaf), pair in gates.items():
+        if set(pair) != {"A", "B"}:
+            raise FormatError(path, f"layer {layer} {leaf}: LoRA lacks its lora_{'B' if 'A' in pair else 'A'}")
+    return rest, gates
 
 
 def to_sglang_modules(path, tensors: Mapping[str, torch.Tensor], dims: Mapping[str, int]
                       ) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """(tensors with SGLang's leaf names, the target_modules SGLang must wrap) for a non-expert PEFT state dict.
+    """(tensors with SGLang's leaf names, the target_modules SGLang must wrap) for a non-expert PEFT state dict
+    without gate LoRA (``split_gate_modules`` takes that out first).
 
-    Raises FormatError naming the first module SGLang cannot apply, or a split whose rows do not fit the model.
+    Raises FormatError naming the first module nothing can apply, or a split whose rows do not fit the model.
     """
     out: dict[str, torch.Tensor] = {}
     splits = {s.source: s for s in SPLITS}

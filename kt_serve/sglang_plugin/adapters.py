@@ -2,7 +2,8 @@
 composite adapters loaded through SGLang's LoRA manager, keyed by SGLang's ``lora_id``.
 
 A composite adapter (merged PEFT dir or KT SFT output dir) is split at load: its non-expert half is written as a
-plain PEFT adapter to a cache dir and handed to SGLang; its expert half goes into one slot of every MoE layer.
+plain PEFT adapter to a cache dir and handed to SGLang; its expert half goes into one slot of every MoE layer; LoRA
+on the router and gates SGLang has no layer for goes to gate_lora.
 Loads are all-or-nothing: every layer is validated before any slot is written, and a failure undoes what was set.
 """
 
@@ -12,6 +13,7 @@ import hashlib
 import logging
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from .config import get_config
@@ -154,7 +156,7 @@ def _cache_root() -> Path:
 
 def _fingerprint(path: Path) -> str:
     """Stable name of a split: the dir and the size/mtime of its files (a changed adapter gets a new split)."""
-    h = hashlib.sha256(b"kt_serve split v2\0" + str(path.resolve()).encode())
+    h = hashlib.sha256(b"kt_serve split v3\0" + str(path.resolve()).encode())
     for f in sorted(path.iterdir()):
         if f.is_file():
             st = f.stat()
@@ -162,24 +164,36 @@ def _fingerprint(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def split_composite(path: str, gdn_dims=None):
-    """Read an adapter dir. Returns (path for SGLang's LoRA manager, AdapterDir or None if it has no expert half).
+@dataclass
+class SplitAdapter:
+    sglang_path: str          # what SGLang's LoRA manager loads
+    experts: object | None    # AdapterDir with the routed-expert half, or None
+    gates: dict               # gate LoRA (formats.sglang_modules.split_gate_modules), for gate_lora
+    scaling: float            # lora_alpha / r of the adapter
 
-    A dir with expert tensors, or with non-expert modules SGLang names otherwise (formats.sglang_modules: Qwen3.5's
-    in_proj_qkv, with the model's ``gdn_dims``), gets its non-expert half written (once) to
-    ``<cache>/<fingerprint>/nonexpert`` in SGLang's names; a module SGLang cannot apply is refused here.
+
+def split_composite(path: str, gdn_dims=None) -> SplitAdapter:
+    """Read an adapter dir and split it into what SGLang applies, the routed-expert half and the gate LoRA.
+
+    A dir with expert tensors, gate LoRA, or non-expert modules SGLang names otherwise (formats.sglang_modules:
+    Qwen3.5's in_proj_qkv, with the model's ``gdn_dims``) gets the half SGLang applies written (once) to
+    ``<cache>/<fingerprint>/nonexpert`` in SGLang's names; a module nothing can apply is refused here.
     """
     from kt_serve.formats import load_adapter_dir, nonexpert_config, write_peft_adapter
-    from kt_serve.formats.sglang_modules import needs_sglang_names, to_sglang_modules
+    from kt_serve.formats.sglang_modules import needs_sglang_names, split_gate_modules, to_sglang_modules
 
     adapter = load_adapter_dir(path)
+    scaling = float(adapter.alpha) / adapter.rank if adapter.rank else 1.0
     rename = needs_sglang_names(adapter.nonexpert)
+    experts = adapter if adapter.experts else None
     if not adapter.experts and not rename:
-        return path, None
-    if not adapter.nonexpert:
-        raise ExpertAdapterError(f"{path}: expert-only adapter; serve it with --kt-expert-lora-path, or add "
-                                 f"non-expert LoRA tensors to use it per request")
-    nonexpert, targets = adapter.nonexpert, None
+        return SplitAdapter(path, None, {}, scaling)
+    nonexpert, gates = split_gate_modules(path, adapter.nonexpert)
+    if not nonexpert:
+        what = "expert-only" if adapter.experts else "gate-only (router / gates, no module SGLang applies)"
+        raise ExpertAdapterError(f"{path}: {what} adapter; per request an adapter needs LoRA on a module SGLang "
+                                 f"applies (attention, MLP){'; serve it with --kt-expert-lora-path' if not gates else ''}")
+    targets = None
     if rename:
         nonexpert, targets = to_sglang_modules(path, nonexpert, gdn_dims or {})
     target = _cache_root() / _fingerprint(Path(path)) / "nonexpert"
@@ -194,5 +208,5 @@ def split_composite(path: str, gdn_dims=None):
             write_peft_adapter(target, nonexpert, config, overwrite=False)
         except FileExistsError:
             pass  # another scheduler (TP rank) wrote the same split first
-        logger.info("kt_serve: split adapter %s; non-expert half in SGLang's module names -> %s", path, target)
-    return str(target), adapter if adapter.experts else None
+        logger.info("kt_serve: split adapter %s; the half SGLang applies, in its module names -> %s", path, target)
+    return SplitAdapter(str(target), experts, gates, scaling)

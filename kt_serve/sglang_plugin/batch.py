@@ -1,8 +1,8 @@
-"""Per-batch expert-adapter selection: request adapter ids -> one kernel slot per token.
+"""Per-batch adapter selection: request adapter ids -> one kernel slot per token, and the tokens of each adapter.
 
-Built once per forward batch (AFTER ``LoRAManager.prepare_lora_batch``) and read by every MoE layer, whose
-``forward`` only sees hidden states. Without ``--enable-lora`` no batch is ever prepared and every token uses the
-default slot (the global ``--kt-expert-lora-path`` adapter, or none).
+Built once per forward batch (AFTER ``LoRAManager.prepare_lora_batch``) and read by every MoE layer and gate LoRA,
+whose ``forward`` only sees hidden states. Without ``--enable-lora`` no batch is ever prepared and every token uses
+the default slot (the global ``--kt-expert-lora-path`` adapter, or none).
 """
 
 from __future__ import annotations
@@ -13,15 +13,36 @@ import torch
 
 
 @dataclass
-class ExpertBatchInfo:
+class AdapterBatch:
     num_tokens: int
     # int32 [T] on CPU: kernel slot per token (-1 = base experts only); None when every token shares one slot
     token_slots: torch.Tensor | None
     # that shared slot (the kernel then needs no per-token array)
     uniform_slot: int
+    lora_ids: list
+    seq_lens: list[int]
+    _groups: list | None = None
+
+    def adapter_tokens(self) -> list[tuple[object, slice | torch.Tensor]]:
+        """(adapter id, its tokens: a slice, or an int64 index tensor when its requests are not adjacent) per
+        adapter of the batch, requests without one left out; computed once per batch."""
+        if self._groups is None:
+            runs: dict[object, list[tuple[int, int]]] = {}
+            start = 0
+            for uid, n in zip(self.lora_ids, self.seq_lens):
+                if uid is not None and n:
+                    spans = runs.setdefault(uid, [])
+                    if spans and spans[-1][1] == start:
+                        spans[-1] = (spans[-1][0], start + n)
+                    else:
+                        spans.append((start, start + n))
+                start += n
+            self._groups = [(uid, slice(*spans[0]) if len(spans) == 1
+                             else torch.cat([torch.arange(a, b) for a, b in spans])) for uid, spans in runs.items()]
+        return self._groups
 
 
-_current: ExpertBatchInfo | None = None
+_current: AdapterBatch | None = None
 
 
 def set_batch(lora_ids, seq_lens, slot_of) -> None:
@@ -29,18 +50,23 @@ def set_batch(lora_ids, seq_lens, slot_of) -> None:
     slot_of: maps an adapter id (or None) to its kernel slot (-1: none)."""
     global _current
     slots = [slot_of(uid) for uid in lora_ids]
-    num_tokens = int(sum(seq_lens))
+    seq_lens = [int(n) for n in seq_lens]
+    num_tokens = sum(seq_lens)
     if len(set(slots)) <= 1:
-        _current = ExpertBatchInfo(num_tokens, None, slots[0] if slots else -1)
+        _current = AdapterBatch(num_tokens, None, slots[0] if slots else -1, list(lora_ids), seq_lens)
         return
     token_slots = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int32),
                                           torch.tensor(seq_lens, dtype=torch.int64))
-    _current = ExpertBatchInfo(num_tokens, token_slots, -1)
+    _current = AdapterBatch(num_tokens, token_slots, -1, list(lora_ids), seq_lens)
 
 
 def clear_batch() -> None:
     global _current
     _current = None
+
+
+def current() -> AdapterBatch | None:
+    return _current
 
 
 def slots_for(num_tokens: int, default_slot: int):

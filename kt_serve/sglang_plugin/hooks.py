@@ -69,17 +69,21 @@ def _register_worker_hooks(HookRegistry, HookType) -> None:
     mla_lora.register(HookRegistry, HookType)
     from . import lora_hooks
 
-    # Also with --kt-moe off: adapter names SGLang reads otherwise (Qwen3.5's in_proj_qkv) are mapped, modules it
-    # cannot apply refused, and a composite adapter gets a one-line reason instead of SGLang's key error.
+    # Also with --kt-moe off: adapter names SGLang reads otherwise (Qwen3.5's in_proj_qkv) are mapped, router and
+    # gate LoRA applied by the plugin, modules nothing applies refused, and a composite adapter gets a one-line
+    # reason instead of SGLang's key error.
     HookRegistry.register(f"{LORA_MANAGER}._load_lora_adapter", lora_hooks.load_lora_adapter, HookType.AROUND)
+    HookRegistry.register(f"{LORA_MANAGER}._unload_lora_adapter", lora_hooks.unload_lora_adapter, HookType.AROUND)
+    HookRegistry.register(f"{LORA_MANAGER}.prepare_lora_batch", lora_hooks.prepare_lora_batch, HookType.AFTER)
+    from . import gate_lora  # LoRA on the router and gates, which SGLang's LoRA manager has no layer for
+
+    HookRegistry.register(f"{MODEL_RUNNER}.load_model", gate_lora.after_load_model, HookType.AFTER)
     config = get_config()
     if not config.enabled:
         return
     HookRegistry.register(f"{RUNTIME_CONTEXT}.publish", keep_shared_experts_separate, HookType.AFTER)
     HookRegistry.register(f"{FUSED_MOE}.__init__", fused_moe_init, HookType.BEFORE)
     HookRegistry.register(f"{MODEL_RUNNER}.load_model", after_load_model, HookType.AFTER)
-    HookRegistry.register(f"{LORA_MANAGER}._unload_lora_adapter", lora_hooks.unload_lora_adapter, HookType.AROUND)
-    HookRegistry.register(f"{LORA_MANAGER}.prepare_lora_batch", lora_hooks.prepare_lora_batch, HookType.AFTER)
     HookRegistry.register(f"{LORA_MANAGER}.init_lora_modules", lora_hooks.init_lora_modules, HookType.AROUND)
 
 

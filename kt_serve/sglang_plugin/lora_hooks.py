@@ -19,54 +19,70 @@ def _registry():
     return get_registry()
 
 
+def _gate_lora():
+    from .gate_lora import get_gate_lora
+
+    return get_gate_lora()
+
+
 def load_lora_adapter(original, manager, lora_ref, *args, **kwargs):
     """AROUND LoRAManager._load_lora_adapter (start-up --lora-paths and /load_lora_adapter both land here).
 
-    A composite dir is split: the expert half goes into a kernel slot keyed by lora_id, SGLang loads the
-    non-expert half. Any failure returns SGLang's failure result (HTTP 400) with nothing left loaded.
+    A composite dir is split: the expert half goes into a kernel slot keyed by lora_id, gate LoRA (router, gates)
+    into gate_lora, SGLang loads the rest. Any failure returns SGLang's failure result (HTTP 400) with nothing
+    left loaded.
     """
     from kt_serve.formats.sglang_modules import gdn_dims
 
-    try:
-        sglang_path, adapter = split_composite(lora_ref.lora_path, gdn_dims(manager.base_hf_config))
-    except Exception as e:  # unreadable or malformed adapter dir, or a module SGLang cannot apply
+    def failed(e):
         message = str(e) if str(e).startswith(str(lora_ref.lora_path)) else f"{lora_ref.lora_path}: {e}"
         return manager.create_lora_update_result(success=False, error_message=message)
-    if adapter is None:
-        return original(manager, msgspec.structs.replace(lora_ref, lora_path=sglang_path), *args, **kwargs)
-    if not get_config().enabled:
-        return manager.create_lora_update_result(
-            success=False, error_message=f"{lora_ref.lora_path}: routed-expert LoRA needs --kt-moe on")
+
+    try:
+        split = split_composite(lora_ref.lora_path, gdn_dims(manager.base_hf_config))
+    except Exception as e:  # unreadable or malformed adapter dir, or a module nothing can apply
+        return failed(e)
+    load_sglang_half = lambda: original(manager, msgspec.structs.replace(lora_ref, lora_path=split.sglang_path),  # noqa: E731
+                                        *args, **kwargs)
+    if split.experts is not None and not get_config().enabled:
+        return failed(ValueError("routed-expert LoRA needs --kt-moe on"))
     from .experts import _is_compute_rank
 
-    if not _is_compute_rank():  # TP ranks > 0 hold no routed experts: only SGLang's half is theirs
-        return original(manager, msgspec.structs.replace(lora_ref, lora_path=sglang_path), *args, **kwargs)
+    # TP ranks > 0 hold no routed experts; every rank holds its gates
+    experts = split.experts if split.experts is not None and _is_compute_rank() else None
     try:
-        _registry().load(lora_ref.lora_id, adapter)
+        _gate_lora().load(lora_ref.lora_id, lora_ref.lora_path, split.gates, split.scaling)
+        if experts is not None:
+            _registry().load(lora_ref.lora_id, experts)
     except Exception as e:
-        return manager.create_lora_update_result(success=False, error_message=str(e))
-    result = original(manager, msgspec.structs.replace(lora_ref, lora_path=sglang_path), *args, **kwargs)
+        _gate_lora().unload(lora_ref.lora_id)
+        return failed(e)
+    result = load_sglang_half()
     if not result.success:
-        _registry().unload(lora_ref.lora_id)
-    else:
-        logger.info("kt_serve: adapter %s: expert half in kernel slot %d, non-expert half in SGLang",
-                    lora_ref.lora_name, _registry().slots.get(lora_ref.lora_id, -1))
+        _gate_lora().unload(lora_ref.lora_id)
+        if experts is not None:
+            _registry().unload(lora_ref.lora_id)
+    elif experts is not None or split.gates:
+        logger.info("kt_serve: adapter %s: expert half in kernel slot %d, %d gate LoRA modules in the plugin, "
+                    "the rest in SGLang", lora_ref.lora_name, _registry().slots.get(lora_ref.lora_id, -1),
+                    len(split.gates))
     return result
 
 
 def unload_lora_adapter(original, manager, lora_ref, *args, **kwargs):
-    """AROUND LoRAManager._unload_lora_adapter: free the expert slot too."""
+    """AROUND LoRAManager._unload_lora_adapter: free the expert slot and the gate LoRA too."""
     result = original(manager, lora_ref, *args, **kwargs)
+    _gate_lora().unload(lora_ref.lora_id)
     if get_config().enabled:
         _registry().unload(lora_ref.lora_id)
     return result
 
 
 def prepare_lora_batch(result, manager, forward_batch, *args, **kwargs):
-    """AFTER LoRAManager.prepare_lora_batch: one kernel slot per token for this forward."""
-    if get_config().enabled:
-        registry = _registry()
-        batch.set_batch(forward_batch.lora_ids, batch.forward_batch_seq_lens(forward_batch), registry.slot_of)
+    """AFTER LoRAManager.prepare_lora_batch: the adapter of each token for this forward (kernel slots; the gate
+    LoRA's token groups)."""
+    slot_of = _registry().slot_of if get_config().enabled else (lambda uid: -1)
+    batch.set_batch(forward_batch.lora_ids, batch.forward_batch_seq_lens(forward_batch), slot_of)
     return result
 
 

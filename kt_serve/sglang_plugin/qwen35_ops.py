@@ -237,13 +237,16 @@ def lora_safe_fused_input_proj_probe(result, layer, *args, **kwargs):
     """AFTER Qwen3_5GatedDeltaNet.__init__: its lazy probe for the AMX fused input projection reads
     ``in_proj_qkvz.bias``, which SGLang's LoRA wrapper of in_proj_qkvz lacks; the AttributeError inside the lazy
     value then recurses without end (RecursionError on the first forward with a linear-attention adapter). A
-    wrapped projection cannot take the fused path, so the probe answers no instead."""
+    wrapped projection cannot take the fused path, so the probe answers no instead; so does an ``in_proj_ba`` that
+    the plugin's gate LoRA wraps (the fused kernel would read its weight and skip the LoRA)."""
     probe = getattr(layer, "_fused_input_proj_cpu_enabled", None)
     creator = getattr(probe, "_creator", None)
     if creator is None:
         return result
 
     def probe_without_lora_wrappers():
+        if getattr(layer.in_proj_ba, "_kt_gate_lora", False):
+            return False
         try:
             return creator()
         except AttributeError:
