@@ -89,9 +89,12 @@ ADAPTER_2 = {(0, "mlp.shared_expert_gate"): 1, (1, "linear_attn.in_proj_b"): NV,
 
 
 @pytest.fixture
-def served():
+def served(monkeypatch):
+    from kt_serve.sglang_plugin import gate_lora
+
     model = tiny_model()
     gates = GateLoRA()
+    monkeypatch.setattr(gate_lora, "_instance", gates)  # what the fused CPU ops look up
     gates.attach(model, CPU_ARGS)
     tensors = {"a1": peft(ADAPTER_1, 10), "a2": peft(ADAPTER_2, 20)}
     for uid, t in tensors.items():
@@ -164,3 +167,20 @@ def test_gate_keys_must_sit_where_the_module_does():
                                        "model.layers.0.self_attn.gate.lora_B.weight": b})
     with pytest.raises(FormatError, match="layer 0 gate: LoRA lacks its lora_B"):
         split_gate_modules("adapter", {"model.layers.0.mlp.gate.lora_A.weight": a})
+
+
+def test_shared_expert_gate_lora_reaches_the_fused_cpu_gate_op(served):
+    """SGLang's CPU path gates the shared expert in one fused op given the gate's weight, not the module
+    (fused_gate_sigmoid_mul_add); the plugin's op adds the gate LoRA found by that weight."""
+    from kt_serve.sglang_plugin.cpu_compat import gate_sigmoid_mul_add_cpu
+
+    model, _, tensors = served
+    gate = model.model.layers[0].mlp.shared_expert_gate
+    x, shared = torch.randn(3, H), torch.randn(3, H)
+    batch.set_batch(["a2", None], [2, 1], lambda uid: -1)
+    final = torch.zeros(3, H)
+    with torch.no_grad():
+        gate_sigmoid_mul_add_cpu(None, x, gate.weight.squeeze(), shared, final)
+        logits = torch.cat([merged_output(model, tensors["a2"], 0, "mlp.shared_expert_gate", x[:2]),
+                            merged_output(model, {}, 0, "mlp.shared_expert_gate", x[2:])])
+    torch.testing.assert_close(final, torch.sigmoid(logits) * shared, rtol=1e-5, atol=1e-5)

@@ -68,11 +68,21 @@ def disable_pin_memory() -> None:
     torch.Tensor.is_pinned = is_pinned
 
 
+def _shared_expert_gate(hidden_states, gate_weight):
+    """sigmoid of the shared-expert gate (fp32), with the gate LoRA of the requests' adapters: SGLang hands the
+    fused op the gate's weight, not the module, so gate_lora finds its LoRA by that weight."""
+    from .gate_lora import get_gate_lora
+
+    logit = hidden_states.float() @ gate_weight.float().reshape(-1, 1)
+    get_gate_lora().add_delta_by_weight(gate_weight, hidden_states, logit)
+    return torch.sigmoid(logit)
+
+
 def gate_sigmoid_mul_add_cpu(original, hidden_states, gate_weight, shared_output, final_hidden_states):
     """AROUND fused_gate_sigmoid_mul_add: the Triton kernel has no CPU driver (Qwen2-MoE shared-expert gate)."""
     if hidden_states.device.type != "cpu":
         return original(hidden_states, gate_weight, shared_output, final_hidden_states)
-    gate = torch.sigmoid(hidden_states.float() @ gate_weight.float().reshape(-1, 1))
+    gate = _shared_expert_gate(hidden_states, gate_weight)
     final_hidden_states.add_((gate * shared_output.float()).to(final_hidden_states.dtype))
 
 
@@ -80,8 +90,7 @@ def gate_sigmoid_mul_cpu(original, hidden_states, gate_weight, shared_output, *a
     """AROUND fused_gate_sigmoid_mul (out-of-place variant of the above)."""
     if hidden_states.device.type != "cpu" or args or kwargs:
         return original(hidden_states, gate_weight, shared_output, *args, **kwargs)
-    gate = torch.sigmoid(hidden_states.float() @ gate_weight.float().reshape(-1, 1))
-    return (gate * shared_output.float()).to(shared_output.dtype)
+    return (_shared_expert_gate(hidden_states, gate_weight) * shared_output.float()).to(shared_output.dtype)
 
 
 def mla_handler_torch_native(original, registry, backend_name):

@@ -53,6 +53,7 @@ class GateLoRA:
         self.targets: dict[tuple[int, str], GateTarget] = {}      # (layer, module in the layer) -> target
         self.adapters: dict[object, dict[tuple[int, str], GateWeights]] = {}  # lora_id -> its weights
         self.refusal: str | None = None    # why this server cannot take gate LoRA at all
+        self.by_weight: dict[int, tuple[int, str]] = {}  # shared-expert gate weight's data_ptr -> its key
 
     # -- model load ---------------------------------------------------------------------------------------------
     def attach(self, model, server_args) -> None:
@@ -68,6 +69,8 @@ class GateLoRA:
             key = (int(match.group(1)), match.group(2))
             self.targets[key] = _describe(name, module)
             _wrap_forward(module, self, key)
+            if key[1] == "mlp.shared_expert_gate":
+                self.by_weight[weight.data_ptr()] = key
         logger.info("kt_serve: gate LoRA (router, shared-expert gate, GDN in_proj_ba) can apply to %d modules",
                     len(self.targets))
 
@@ -116,6 +119,12 @@ class GateLoRA:
         self.adapters.pop(lora_id, None)
 
     # -- forward ------------------------------------------------------------------------------------------------
+    def add_delta_by_weight(self, weight: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
+        """add_delta for the module whose weight this is (fused ops that take a weight, not the module)."""
+        key = self.by_weight.get(weight.data_ptr())
+        if key is not None:
+            self.add_delta(key, x, out)
+
     def add_delta(self, key, x: torch.Tensor, out: torch.Tensor) -> None:
         info = batch.current()
         if info is None or not self.adapters:
@@ -147,8 +156,13 @@ def _describe(name: str, module) -> GateTarget:
         target = GateTarget(name, in_features, ((0, rows),))
     target.device = module.weight.device
     target.dtype = module.weight.dtype if module.weight.dtype.is_floating_point else torch.bfloat16
-    if getattr(module, "use_intel_amx_backend", False) and name.endswith("shared_expert_gate"):
-        target.unsupported = "SGLang's AMX kernel reads this shared-expert gate's weight directly"
+    if name.endswith("shared_expert_gate"):
+        # SGLang's fused gate ops take the weight: on CPU hosts the plugin's ops add the LoRA (cpu_compat), not
+        # SGLang's AMX kernel nor its GPU kernels
+        if getattr(module, "use_intel_amx_backend", False):
+            target.unsupported = "SGLang's AMX kernel reads this shared-expert gate's weight directly"
+        elif module.weight.device.type != "cpu":
+            target.unsupported = "SGLang's fused GPU kernel reads this shared-expert gate's weight directly"
     return target
 
 
