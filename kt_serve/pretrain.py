@@ -192,7 +192,7 @@ def _train(tmp: Path, out_dir: Path, recipe: PretrainRecipe, log) -> None:
                 f"({time.monotonic() - start:.0f} s)")
 
     final = tmp / "model"
-    model.to(torch.bfloat16).save_pretrained(final)
+    _save_like(init, model.to(torch.bfloat16), final)
     tokenizer.save_pretrained(final)
     (final / RECIPE_FILE).write_text(json.dumps({"recipe": asdict(recipe), "final_loss": loss.item()},
                                                 indent=2) + "\n")
@@ -200,6 +200,28 @@ def _train(tmp: Path, out_dir: Path, recipe: PretrainRecipe, log) -> None:
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(final, out_dir)
+
+
+def _save_like(init: Path, model, out: Path) -> None:
+    """Save the trained model in the layout of ``init``: a Qwen3.5 checkpoint is the official
+    ForConditionalGeneration (text weights under model.language_model., its processor files), which is what
+    SGLang serves; AutoModelForCausalLM trained its text model only."""
+    config = json.loads((init / "config.json").read_text())
+    if "text_config" not in config:
+        model.save_pretrained(out)
+        return
+    import torch
+    from transformers import AutoConfig, Qwen3_5MoeForConditionalGeneration
+
+    full = Qwen3_5MoeForConditionalGeneration(AutoConfig.from_pretrained(init)).to(torch.bfloat16)
+    full.model.language_model.load_state_dict(model.model.state_dict())
+    full.lm_head.load_state_dict(model.lm_head.state_dict())
+    full.save_pretrained(out)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")  # init's, as written (text_config fields)
+    for f in init.iterdir():  # processor / tokenizer files SGLang opens for a VLM checkpoint
+        if f.is_file() and f.suffix in (".json", ".jinja") and f.name not in ("config.json", "model.safetensors.index.json") \
+                and not (out / f.name).exists():
+            shutil.copy2(f, out / f.name)
 
 
 def main(argv=None):

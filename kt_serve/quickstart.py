@@ -128,7 +128,10 @@ def stage_base_model(args, out: Path) -> Path:
         return model
     from kt_serve.pretrain import PretrainRecipe, pretrain_base
 
-    return pretrain_base(out / "base_model", PretrainRecipe(steps=args.size.pretrain_steps), threads=args.threads,
+    recipe = PretrainRecipe(family=args.family, steps=args.size.pretrain_steps,
+                            **({"num_layers": 4} if args.family == "qwen3_5_moe" else {}))  # 3 GDN + 1 full
+    name = "base_model" if args.family == "qwen3_moe" else f"base_model_{args.family}"
+    return pretrain_base(out / name, recipe, threads=args.threads,
                          log=lambda m: say("  " + m))
 
 
@@ -137,7 +140,8 @@ def train_config(args, model: Path, adapter_dir: Path) -> dict:
     return {
         "model_name_or_path": str(model), "stage": "sft", "do_train": True, "finetuning_type": "lora",
         "lora_rank": 8, "lora_alpha": 16, "lora_dropout": 0.0,
-        "lora_target": "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+        # Qwen3.5: every projection (linear attention, shared expert, its gate and the routers too)
+        "lora_target": "all" if args.family == "qwen3_5_moe" else "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
         "dataset": "pirate_alpaca,pirate_sharegpt", "dataset_dir": str(EXAMPLE_DATASET), "template": "tokenizer",
         "cutoff_len": 256, "output_dir": str(adapter_dir), "overwrite_output_dir": True, "logging_steps": 25,
         "save_steps": 100000, "plot_loss": True, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1,
@@ -311,6 +315,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="runs/quickstart", help="working and report directory (default: %(default)s)")
     p.add_argument("--model-path", help="your local HF MoE checkpoint (skips stage 1)")
     p.add_argument("--adapter", help="your KT SFT output or merged adapter dir (skips stage 2)")
+    p.add_argument("--family", default="qwen3_moe", choices=("qwen3_moe", "qwen3_5_moe"),
+                   help="tiny default base model of stage 1 (default: %(default)s; qwen3_5_moe: Gated DeltaNet "
+                        "hybrid, trained with lora_target: all)")
     p.add_argument("--steps", type=int, help="training steps of stage 2 (default: 150, --small: 100)")
     p.add_argument("--small", action="store_true", help="reduced size (fewer steps and prompts), as the test runs it")
     p.add_argument("--eval-dataset", default=str(EVAL_DATASET), help="JSONL for evals/eval_adapter.py "

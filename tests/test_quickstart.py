@@ -181,3 +181,24 @@ def test_ctrl_c_while_serving_leaves_nothing(run, tmp_path):
     assert proc.returncode == 130, text
     assert "interrupted during stage 4 (serve)" in text
     assert_nothing_left(tag)
+
+
+def test_qwen35_family_end_to_end(tmp_path):
+    """--family qwen3_5_moe: the tiny Qwen3.5 base is saved in the official ForConditionalGeneration layout (what
+    SGLang serves), trained with lora_target: all (router, shared-expert gate, in_proj_a / in_proj_b included),
+    served per request: the style numbers, recomputed from the served answers, move as for Qwen3."""
+    out, tag = tmp_path / "qwen35", uuid.uuid4().hex
+    proc = subprocess.run(quickstart_cmd(out, "--family", "qwen3_5_moe"), cwd=REPO, env=marked_env(tag),
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert proc.returncode == 0, f"quickstart failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+    config = json.loads((out / "base_model_qwen3_5_moe" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5MoeForConditionalGeneration"]
+    assert config["text_config"]["layer_types"].count("linear_attention") == 3
+    trained = json.loads((out / "pirate_lora" / "adapter_config.json").read_text())["target_modules"]
+    assert {"gate", "shared_expert_gate", "in_proj_a", "in_proj_b", "in_proj_qkv"} <= set(trained)
+    report = json.loads((out / "eval" / "eval_adapter.json").read_text())
+    style = {t: 100.0 * sum(PIRATE_START.match(ex["outputs"][t].strip()) is not None for ex in report["examples"])
+             / len(report["examples"]) for t in ("base", "pirate")}
+    assert style["pirate"] >= 75.0 and style["base"] <= 25.0, report["examples"]
+    assert report["scores"]["pirate"]["rougeL"] > report["scores"]["base"]["rougeL"]
+    assert_nothing_left(tag)
