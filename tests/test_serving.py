@@ -240,13 +240,14 @@ def test_qwen2_moe_shared_expert(server_q2, qwen2, with_adapter):
 # -- server 4: tensor parallel on CPU (--tp-size 2) ---------------------------------------------------------
 def test_tensor_parallel_two_ranks(qwen3):
     """--tp-size 2: attention sharded by SGLang, routed experts once per token on rank 0 (the others add zeros to
-    SGLang's all-reduce), the expert half of a composite adapter bound on rank 0 only: same numbers as tp=1.
+    SGLang's all-reduce), the expert half of a composite adapter bound on rank 0 only, its router LoRA (the
+    plugin's gate LoRA) on every rank: same numbers as tp=1.
     On this one-NUMA-node host the plugin splits the cores between the ranks (no SGLANG_CPU_OMP_THREADS_BIND)."""
     model, adapters, ref, prompts = qwen3
     args = ["--tp-size", "2", "--kt-expert-lora-path", str(adapters["global"])] + LORA_ARGS + [
-        "--lora-paths", f"both={adapters['both']}"]
+        "--lora-paths", f"both2={adapters['both2']}"]
     with SGLangServer(model, args) as server:
-        for name, expected in ((None, ["global"]), ("both", ["both"])):
+        for name, expected in ((None, ["global"]), ("both2", ["both2"])):
             ids, logprobs = complete(server, model if name is None else f"{model}:{name}", prompts[0])
             assert_matches_reference(ref, prompts[0], ids, logprobs, [adapters[k] for k in expected])
 

@@ -58,13 +58,13 @@ def without(nonexpert, part):
 
 @pytest.fixture(scope="module", params=sorted(MLA_CONFIGS))
 def deepseek(request, tmp_path_factory):
-    """(model, adapters, reference, prompts, parts). Adapter "both": every MLA projection + shared expert + routed
-    experts; ``parts`` maps each of its parts to a reference-only adapter without it. Adapter "second": without q
+    """(model, adapters, reference, prompts, parts). Adapter "both": every MLA projection + shared expert + router
+    (the plugin's gate LoRA) + routed experts; ``parts`` maps each of its parts to a reference-only adapter without it. Adapter "second": without q
     compression the MLA projections only (SGLang's half alone); with q_lora_rank kv_a_proj_with_mqa + kv_b_proj (a
     lone kv_a beside the fused q_a_proj) + routed experts."""
     workdir = tmp_path_factory.mktemp(f"serving_deepseek_{request.param}")
     model = build_tiny_moe(workdir / "model", "deepseek_v2", **DEEPSEEK_SERVING_CONFIG, **MLA_CONFIGS[request.param])
-    nonexpert, experts = mla_adapter(model, 11, shared_expert=True)
+    nonexpert, experts = mla_adapter(model, 11, shared_expert=True, gates=True)
     mla = list(model_dims(model)["attention"])
     adapters = {"both": write_adapter(workdir / "both", model, nonexpert, experts)}
     second, second_experts = mla_adapter(model, 12)
@@ -75,7 +75,8 @@ def deepseek(request, tmp_path_factory):
     adapters["second"] = write_adapter(workdir / "second", model, second, second_experts)
     parts = {"routed experts": write_adapter(workdir / "no_experts", model, nonexpert, {}),
              "shared expert": write_adapter(workdir / "no_shared", model, without(nonexpert, "shared_experts"),
-                                            experts)}
+                                            experts),
+             "router": write_adapter(workdir / "no_router", model, without(nonexpert, "mlp.gate"), experts)}
     for module in mla:
         parts[module] = write_adapter(workdir / f"no_{module}", model, without(nonexpert, module), experts)
     ref = HFReference(model)
@@ -101,7 +102,8 @@ def check(ref, prompt, ids, logprobs, adapter_dirs) -> list[int]:
 
 def test_every_adapter_part_matches_reference(server_ds, deepseek):
     """Base and both adapters within TOL of the fp32 reference; without any one part of "both" (each MLA
-    projection, the shared expert, the routed experts) the reference is far off, so every part was applied."""
+    projection, the shared expert, the router, the routed experts) the reference is far off, so every part was
+    applied."""
     model, adapters, ref, prompts, parts = deepseek
     for prompt in prompts:
         for name in (None, "both", "second"):
