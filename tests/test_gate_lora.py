@@ -184,3 +184,20 @@ def test_shared_expert_gate_lora_reaches_the_fused_cpu_gate_op(served):
         logits = torch.cat([merged_output(model, tensors["a2"], 0, "mlp.shared_expert_gate", x[:2]),
                             merged_output(model, {}, 0, "mlp.shared_expert_gate", x[2:])])
     torch.testing.assert_close(final, torch.sigmoid(logits) * shared, rtol=1e-5, atol=1e-5)
+
+
+def test_adapter_with_only_gate_lora_is_refused_in_one_line(tmp_path, monkeypatch):
+    """SGLang's manager needs a module of its own to load an adapter: a router-only adapter is refused at the split,
+    naming the dir, and no split is written."""
+    from kt_serve.formats import write_peft_adapter
+    from kt_serve.sglang_plugin import adapters
+
+    adapter = write_peft_adapter(tmp_path / "router_only", peft({(0, "mlp.gate"): E}, 0),
+                                 {"r": R, "lora_alpha": 2 * R}, overwrite=True)
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(adapters, "_cache_root", lambda: cache)
+    with pytest.raises(adapters.ExpertAdapterError, match=rf"^{adapter}: only router / gate LoRA and no module "
+                                                          r"SGLang applies; per request an adapter also needs LoRA "
+                                                          r"on attention or MLP projections$"):
+        adapters.split_composite(str(adapter))
+    assert not cache.exists()

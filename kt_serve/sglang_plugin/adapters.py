@@ -189,10 +189,12 @@ def split_composite(path: str, gdn_dims=None) -> SplitAdapter:
     if not adapter.experts and not rename:
         return SplitAdapter(path, None, {}, scaling)
     nonexpert, gates = split_gate_modules(path, adapter.nonexpert)
+    if not nonexpert and not gates:
+        raise ExpertAdapterError(f"{path}: expert-only adapter; serve it with --kt-expert-lora-path, or add "
+                                 f"non-expert LoRA tensors to use it per request")
     if not nonexpert:
-        what = "expert-only" if adapter.experts else "gate-only (router / gates, no module SGLang applies)"
-        raise ExpertAdapterError(f"{path}: {what} adapter; per request an adapter needs LoRA on a module SGLang "
-                                 f"applies (attention, MLP){'; serve it with --kt-expert-lora-path' if not gates else ''}")
+        raise ExpertAdapterError(f"{path}: only router / gate LoRA and no module SGLang applies; per request an "
+                                 f"adapter also needs LoRA on attention or MLP projections")
     targets = None
     if rename:
         nonexpert, targets = to_sglang_modules(path, nonexpert, gdn_dims or {})
