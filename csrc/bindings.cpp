@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 
+#include "dense_linear.h"
 #include "dropout.h"
 #include "kernels.h"
 #include "moe_lora.h"
@@ -95,6 +96,29 @@ PYBIND11_MODULE(_kernel, m) {
       },
       py::arg("seed"), py::arg("proj"), py::arg("rows"), py::arg("cols"), py::arg("p"), py::arg("out"),
       "Writes the LoRA dropout keep mask (csrc/dropout.h) of rows t*k + j < rows as 0/1 bytes [rows, cols].");
+  py::class_<kt::DenseLinear>(m, "DenseLinear")
+      .def(py::init([](int N, int K, uintptr_t w, int64_t ldw, const std::string& format, int group,
+                       const std::string& isa) {
+             const kt::Kernels& k = kt::select_kernels(isa.c_str());
+             const kt::Format f = kt::parse_format(format);
+             py::gil_scoped_release nogil;
+             return new kt::DenseLinear(N, K, ptr<const bf16>(w), ldw, f, group, k);
+           }),
+           py::arg("out_features"), py::arg("in_features"), py::arg("weight"), py::arg("ldw"),
+           py::arg("format") = "bf16", py::arg("group") = 128, py::arg("isa") = "auto")
+      .def("forward",
+           [](const kt::DenseLinear& s, int M, uintptr_t x, int64_t ldx, uintptr_t bias, uintptr_t y, int64_t ldy,
+              bool y_fp32) {
+             py::gil_scoped_release nogil;
+             s.forward(M, ptr<const bf16>(x), ldx, ptr<const float>(bias), ptr<void>(y), ldy, y_fp32);
+           })
+      .def("at", &kt::DenseLinear::at)
+      .def_property_readonly("out_features", &kt::DenseLinear::out_features)
+      .def_property_readonly("in_features", &kt::DenseLinear::in_features)
+      .def_property_readonly("format", [](const kt::DenseLinear& s) { return std::string(kt::format_name(s.format())); })
+      .def_property_readonly("weight_bytes", &kt::DenseLinear::weight_bytes)
+      .def_property_readonly("isa", &kt::DenseLinear::isa);
+
   m.def("set_num_threads", &kt::set_num_threads, py::arg("n"),
         "Size of the global worker pool (caller included); n < 1 means the default (physical cores).");
   m.def("num_threads", [] { return kt::global_pool()->num_threads(); });

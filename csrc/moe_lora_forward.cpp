@@ -111,7 +111,7 @@ void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, 
       }
     });
     const Int16Rows xrq = qx ? ws->xq.at(t.r0) : Int16Rows{};
-    gemm_block_pair(k_, M, xr, xr, ldx, gate_, t.e, up_, t.e, t.cb, Cg, Cu, kBlockN, qx ? &xrq : nullptr,
+    gemm_block_pair(k_, M, xr, xr, ldx, gate_, t.e, t.cb, up_, t.e, t.cb, Cg, Cu, kBlockN, qx ? &xrq : nullptr,
                     qx ? &xrq : nullptr);
     for_segments(rt, t.e, t.r0, t.r1, [&](const Route::Segment& s, int b, int end) {
       const Adapter* a = rt.seg_adapter(s);
@@ -193,7 +193,7 @@ void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, 
         float* C = tl_tile[0];
         float* C2 = tl_tile[1];
         const Int16Rows h0 = hrows(b), h1 = hrows(b2), h0m = hrows(b + m), h1m = hrows(b2 + m);
-        gemm_block_pair(k_, m, Hb + b * ldh, Hb + b2 * ldh, ldh, down_, e, down_, e2, cb, C, C2, kBlockN, hq(h0), hq(h1));
+        gemm_block_pair(k_, m, Hb + b * ldh, Hb + b2 * ldh, ldh, down_, e, cb, down_, e2, cb, C, C2, kBlockN, hq(h0), hq(h1));
         if (n > m) gemm_block(k_, n - m, Hb + (b + m) * ldh, ldh, down_, e, cb, C + m * kBlockN, kBlockN, hq(h0m));
         if (n2 > m)
           gemm_block(k_, n2 - m, Hb + (b2 + m) * ldh, ldh, down_, e2, cb, C2 + m * kBlockN, kBlockN, hq(h1m));

@@ -204,16 +204,16 @@ void gemm_block(const Kernels& kern, int M, const bf16* A, int64_t lda, const Pa
 }
 
 void gemm_block_pair(const Kernels& kern, int M, const bf16* A0, const bf16* A1, int64_t lda, const PackedWeights& W0,
-                     int e0, const PackedWeights& W1, int e1, int cb, float* C0, float* C1, int64_t ldc,
+                     int e0, int cb0, const PackedWeights& W1, int e1, int cb1, float* C0, float* C1, int64_t ldc,
                      const Int16Rows* X0, const Int16Rows* X1) {
   if (M <= 0) return;
   const Layout& l = W0.layout;
   if (l.fmt == Format::bf16)
-    return kern.gemm_block_pair(M, A0, A1, lda, W0.bf16_block(e0, cb), W1.bf16_block(e1, cb), l.kp, C0, C1, ldc);
+    return kern.gemm_block_pair(M, A0, A1, lda, W0.bf16_block(e0, cb0), W1.bf16_block(e1, cb1), l.kp, C0, C1, ldc);
   if (M <= kPairRows)
-    return kern.qgemm_block_pair(M, A0, A1, lda, X0, X1, l, W0.block(e0, cb), W1.block(e1, cb), C0, C1, ldc);
-  gemm_block(kern, M, A0, lda, W0, e0, cb, C0, ldc, X0);
-  gemm_block(kern, M, A1, lda, W1, e1, cb, C1, ldc, X1);
+    return kern.qgemm_block_pair(M, A0, A1, lda, X0, X1, l, W0.block(e0, cb0), W1.block(e1, cb1), C0, C1, ldc);
+  gemm_block(kern, M, A0, lda, W0, e0, cb0, C0, ldc, X0);
+  gemm_block(kern, M, A1, lda, W1, e1, cb1, C1, ldc, X1);
 }
 
 void QuantizedRows::quantize(const Kernels& kern, int first, int rows, const bf16* A, int64_t lda, int kp) {

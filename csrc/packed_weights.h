@@ -29,14 +29,17 @@ struct PackedWeights {
   // Thread-safe across experts.
   template <typename Get>
   void pack(int e, Get&& get) {
+    for (int b = 0; b < nblocks; ++b) pack_block(e, b, get);
+  }
+  // Block b (columns [64b, 64b + 64)) of expert e alone: thread-safe across blocks.
+  template <typename Get>
+  void pack_block(int e, int b, Get&& get) {
     float* tile = tile_scratch();
-    for (int b = 0; b < nblocks; ++b) {
-      for (int c = 0; c < 64; ++c) {
-        const int n = b * 64 + c;
-        for (int k = 0; k < layout.kp; ++k) tile[static_cast<size_t>(c) * layout.kp + k] = (n < N && k < K) ? get(n, k) : 0.f;
-      }
-      quantize_block(e, b, tile);
+    for (int c = 0; c < 64; ++c) {
+      const int n = b * 64 + c;
+      for (int k = 0; k < layout.kp; ++k) tile[static_cast<size_t>(c) * layout.kp + k] = (n < N && k < K) ? get(n, k) : 0.f;
     }
+    quantize_block(e, b, tile);
   }
   // Packs fp8 expert e as a checkpoint stores it (layout.fmt must be fp8 with group = bk): e4m3 bytes
   // w[n * ldw + k], and scale_inv[(n / bn) * ld_scale + k / bk], the fp32 dequantization scale of each
@@ -74,10 +77,10 @@ struct QuantizedRows {
 // (Kernels::quantize_rows) for the integer formats, or null to have them quantized per call.
 void gemm_block(const Kernels& kern, int M, const bf16* A, int64_t lda, const PackedWeights& W, int e, int cb,
                 float* C, int64_t ldc, const Int16Rows* X = nullptr);
-// Block cb of experts e0 and e1 on their own rows (A0, A1; gate and up pass the same rows and two matrices
-// through W0 / W1).
+// Block cb0 of expert e0 of W0 and block cb1 of expert e1 of W1, each on its own rows (A0, A1), streamed side by
+// side: gate and up pass the same rows and two matrices, the down phase two experts, a dense layer two blocks.
 void gemm_block_pair(const Kernels& kern, int M, const bf16* A0, const bf16* A1, int64_t lda, const PackedWeights& W0,
-                     int e0, const PackedWeights& W1, int e1, int cb, float* C0, float* C1, int64_t ldc,
+                     int e0, int cb0, const PackedWeights& W1, int e1, int cb1, float* C0, float* C1, int64_t ldc,
                      const Int16Rows* X0 = nullptr, const Int16Rows* X1 = nullptr);
 
 }  // namespace kt

@@ -258,7 +258,14 @@ def test_mismatched_expert_adapter_refused_at_start(qwen3, workdir):
     other = build_tiny_moe(workdir / "qwen3_wide", "qwen3_moe", moe_intermediate_size=32)
     wrong = write_expert_peft_adapter(workdir / "wrong_shape", other, seed=6)
     with pytest.raises(ServerStartError) as err:
-        with SGLangServer(model, ["--kt-expert-lora-path", str(wrong)], startup_timeout=180):
+        with SGLangServer(model, ["--kt-expert-lora-path", str(wrong)]):
             pass
     message = str(err.value)
     assert "layer 0" in message and "[8, 32, 4]" in message and "[8, 64, 4]" in message, message[-2000:]
+
+
+def test_dense_layers_run_on_the_kernel(server_q3):
+    """On a CPU host the plugin packs the bf16 linear layers and lm_head (kt_serve/sglang_plugin/dense_linear.py):
+    every served-vs-reference test above runs through them."""
+    log = server_q3.log_tail(100000)
+    assert "dense layers (linear and lm_head) on the kt_serve kernel" in log, log[-3000:]

@@ -30,6 +30,8 @@ class KTServeConfig:
     expert_dtype: str = "auto"
     # K values per int4 scale (and per fp8 scale when a bf16 checkpoint is quantized to fp8)
     expert_group_size: int = 128
+    # a CPU host's bf16 linear layers and lm_head on the kernel's packed GEMV/GEMM: auto (= on with --kt-moe on)
+    dense_linear: str = "auto"
 
     def __post_init__(self):
         if self.moe not in ("on", "off"):
@@ -42,12 +44,18 @@ class KTServeConfig:
             raise ValueError(f"--kt-expert-dtype={self.expert_dtype!r}: expected auto, {', '.join(WEIGHT_FORMATS)}")
         if self.expert_group_size < 64 or self.expert_group_size % 64:
             raise ValueError(f"--kt-expert-group-size={self.expert_group_size}: expected a positive multiple of 64")
+        if self.dense_linear not in ("auto", "on", "off"):
+            raise ValueError(f"--kt-dense-linear={self.dense_linear!r}: expected auto, on or off")
         if self.moe == "off" and self.expert_lora_path:
             raise ValueError("--kt-expert-lora-path needs --kt-moe on (expert LoRA runs in the kt_serve kernel)")
 
     @property
     def enabled(self) -> bool:
         return self.moe == "on"
+
+    @property
+    def dense_enabled(self) -> bool:
+        return self.dense_linear == "on" or (self.dense_linear == "auto" and self.enabled)
 
     @staticmethod
     def env_name(field: str) -> str:

@@ -40,7 +40,10 @@ class DequantizedFp8LinearMethod(Fp8LinearMethod):
         del layer.weight_scale_inv
 
     def apply(self, layer, x: torch.Tensor, bias=None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        from .dense_linear import run
+
+        out = run(layer, x, bias)  # packed by the plugin's dense path (--kt-dense-linear)
+        return F.linear(x, layer.weight, bias) if out is None else out
 
 
 def dequantize_before_deepseek_post_load(*args, **kwargs):

@@ -47,6 +47,14 @@ def _register_worker_hooks(HookRegistry, HookType) -> None:
 
     if cpu_compat.cpu_only_host():
         cpu_compat.disable_pin_memory()
+        if get_config().dense_enabled:
+            from . import dense_linear
+
+            HookRegistry.register(f"{MODEL_RUNNER}.load_model", dense_linear.after_load_model, HookType.AFTER)
+            HookRegistry.register(f"{dense_linear.UNQUANTIZED_LINEAR}.apply", dense_linear.linear_apply,
+                                  HookType.AROUND)
+            HookRegistry.register(f"{dense_linear.LOGITS_PROCESSOR}._compute_lm_head", dense_linear.compute_lm_head,
+                                  HookType.AROUND)
         HookRegistry.register(f"{ELEMENTWISE}.fused_gate_sigmoid_mul_add", cpu_compat.gate_sigmoid_mul_add_cpu,
                               HookType.AROUND)
         HookRegistry.register(f"{ELEMENTWISE}.fused_gate_sigmoid_mul", cpu_compat.gate_sigmoid_mul_cpu,

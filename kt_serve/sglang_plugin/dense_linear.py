@@ -1,0 +1,93 @@
+"""A CPU host's dense layers on the kt_serve kernel: SGLang's bf16 linear layers and lm_head through PackedLinear.
+
+Without AMX, SGLang's CPU engine runs every unquantized linear (q/k/v/o, shared experts, the router, lm_head) as
+``F.linear`` / ``torch.matmul``, whose bf16 GEMV reads weights at about half the bandwidth our kernel streams
+experts at. After the model is loaded, each such layer's weight is packed once (:class:`kt_serve.dense.PackedLinear`)
+and the layer's quant method runs it; SGLang's LoRA wrappers call that method for the base output and add their
+LoRA on top, so adapters are unaffected. Hosts with AMX keep SGLang's own packed AMX kernel.
+
+``--kt-dense-linear auto|on|off`` (auto: with ``--kt-moe on``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+UNQUANTIZED_LINEAR = "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod"
+LOGITS_PROCESSOR = "sglang.srt.layers.logits_processor.LogitsProcessor"
+_ATTR = "_kt_dense"  # the PackedLinear of a module
+
+
+def _packable(module) -> bool:
+    from sglang.srt.utils.common import use_intel_amx_backend
+
+    weight = getattr(module, "weight", None)
+    return (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.device.type == "cpu"
+            and weight.dtype == torch.bfloat16 and not use_intel_amx_backend(module))
+
+
+def pack_model(model) -> int:
+    """Packs every bf16 linear layer run by SGLang's unquantized (or our dequantized-FP8) method, and lm_head.
+    Returns the packed bytes."""
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+    from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
+
+    from kt_serve.dense import PackedLinear
+
+    from .fp8_linear import DequantizedFp8LinearMethod
+
+    total, layers = 0, 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        linear = isinstance(method, (UnquantizedLinearMethod, DequantizedFp8LinearMethod))
+        if not (linear or isinstance(module, ParallelLMHead)) or not _packable(module):
+            continue
+        bias = getattr(module, "bias", None) if linear else None
+        packed = PackedLinear(module.weight.data, bias if isinstance(bias, torch.Tensor) else None)
+        setattr(module, _ATTR, packed)
+        total += packed.weight_bytes
+        layers += 1
+    if layers:
+        logger.info("kt_serve: %d dense layers (linear and lm_head) on the kt_serve kernel (%.1f MiB packed bf16, "
+                    "isa %s)", layers, total / 2**20, packed.isa)
+    return total
+
+
+def run(layer, x: torch.Tensor, bias=None):
+    """The layer's output through its PackedLinear, or None when it has none (or x is not a CPU bf16 tensor)."""
+    packed = getattr(layer, _ATTR, None)
+    if packed is None or x.device.type != "cpu" or x.dtype != torch.bfloat16:
+        return None
+    if bias is None or bias is getattr(layer, "bias", None):  # the layer's own bias is packed with it (fp32)
+        return packed.forward(x, with_bias=bias is not None)
+    return packed.forward(x, with_bias=False) + bias
+
+
+def linear_apply(original, method, layer, x, bias=None):
+    """AROUND UnquantizedLinearMethod.apply."""
+    out = run(layer, x, bias)
+    return original(method, layer, x, bias) if out is None else out
+
+
+def compute_lm_head(original, processor, hidden_states, lm_head, embedding_bias=None, **kwargs):
+    """AROUND LogitsProcessor._compute_lm_head: a packed lm_head (not LoRA-wrapped) gives the logits, in fp32
+    where SGLang would compute them in fp32, else in the hidden states' dtype as its matmul does."""
+    packed = getattr(lm_head, _ATTR, None)
+    if (packed is None or hasattr(lm_head, "set_lora") or hidden_states.device.type != "cpu"
+            or hidden_states.dtype != torch.bfloat16):
+        return original(processor, hidden_states, lm_head, embedding_bias, **kwargs)
+    fp32 = getattr(processor, "use_fp32_lm_head", False) or getattr(processor, "use_fp32_lm_head_output", False)
+    logits = packed.forward(hidden_states, out_dtype=torch.float32 if fp32 else torch.bfloat16)
+    if embedding_bias is not None:
+        logits += embedding_bias
+    return logits
+
+
+def after_load_model(result, model_runner, *args, **kwargs):
+    """AFTER ModelRunner.load_model (CPU host, --kt-dense-linear on): pack the loaded model's dense layers."""
+    pack_model(model_runner.model)
+    return result
