@@ -9,6 +9,7 @@
 #include "dropout.h"
 #include "kernels.h"
 #include "moe_lora.h"
+#include "rms_norm.h"
 #include "thread_pool.h"
 
 namespace py = pybind11;
@@ -119,6 +120,15 @@ PYBIND11_MODULE(_kernel, m) {
       .def_property_readonly("weight_bytes", &kt::DenseLinear::weight_bytes)
       .def_property_readonly("isa", &kt::DenseLinear::isa);
 
+  m.def(
+      "rms_norm",
+      [](int M, int H, uintptr_t x, uintptr_t residual, int64_t ld, uintptr_t w, float eps, uintptr_t y,
+         uintptr_t residual_out) {
+        py::gil_scoped_release nogil;
+        kt::rms_norm(M, H, ptr<const bf16>(x), ptr<const bf16>(residual), ld, ptr<const bf16>(w), eps, ptr<bf16>(y),
+                     ptr<bf16>(residual_out));
+      },
+      "RMSNorm of M bf16 rows (optionally after adding a residual); see csrc/rms_norm.h");
   m.def("set_num_threads", &kt::set_num_threads, py::arg("n"),
         "Size of the global worker pool (caller included); n < 1 means the default (physical cores).");
   m.def("num_threads", [] { return kt::global_pool()->num_threads(); });

@@ -1,4 +1,4 @@
-"""Benchmark of the dense layers of a CPU decode step: kt_serve's PackedLinear (the plugin's --kt-dense-linear)
+"""Benchmark of the dense layers of a CPU decode step: kt_serve's PackedLinear (the plugin's --kt-cpu-ops)
 against torch's ``F.linear`` (what SGLang's CPU engine runs without AMX), and against the read bandwidth a plain
 streaming loop reaches on this machine, in one process.
 

@@ -19,7 +19,7 @@ after row, --repeats times, the median run kept, so a slow drift of the machine 
 --sequential each row's server runs alone, measured --repeats times, then stopped):
   sglang        SGLang without our plugin (SGLANG_PLUGINS excludes it): its per-expert torch loop
   kt base       routed experts in the kt_serve kernel, no adapter (on a CPU host the dense layers and lm_head too)
-  kt dense off  "kt base" with --kt-dense-linear off: dense layers and lm_head in torch (F.linear / matmul)
+  kt cpu ops off  "kt base" with --kt-cpu-ops off: dense layers, lm_head and RMSNorm in torch, as SGLang runs them
   kt expert     ... with --kt-expert-lora-path (every request gets the expert LoRA)
   kt mixed      ... --enable-lora with two composite adapters; requests cycle base / :a / :b
   kt int8 / kt int4 / kt fp8   "kt base" with --kt-expert-dtype int8 / int4 / fp8 (experts quantized at load)
@@ -263,7 +263,7 @@ def main(argv=None):
         "sglang": ([], {"SGLANG_PLUGINS": "none", **USER_ENV}, [model]),
         "kt base": ([], {}, [model]),
         "kt moe off": (["--kt-moe", "off"], {}, [model]),
-        "kt dense off": (["--kt-dense-linear", "off"], {}, [model]),
+        "kt cpu ops off": (["--kt-cpu-ops", "off"], {}, [model]),
         "kt expert": (["--kt-expert-lora-path", str(expert)], {}, [model]),
         "kt mixed": (lora + ["--lora-paths", f"a={comp_a}", f"b={comp_b}"], {}, [model, f"{model}:a", f"{model}:b"]),
         **{f"kt {fmt}": (["--kt-expert-dtype", fmt], {}, [model]) for fmt in ("int8", "int4", "fp8")},

@@ -33,8 +33,8 @@ PY_SPY = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil
 PARTS = [
     ("routed experts (kt kernel)", ("MoEExperts.forward_sft",)),
     ("routed experts (SGLang)", ("moe_forward_native", "fused_experts")),
-    ("lm_head", ("LogitsProcessor._compute_lm_head",)),
-    ("dense linears (q/k/v/o, gate, shared)", ("UnquantizedLinearMethod.apply",)),
+    ("lm_head", ("LogitsProcessor._compute_lm_head", "compute_lm_head")),  # the latter: the plugin's dense path
+    ("dense linears (q/k/v/o, gate, shared)", ("UnquantizedLinearMethod.apply", "linear_apply")),
     ("attention", ("TorchNativeAttnBackend.forward_decode", "TorchNativeAttnBackend.forward_extend")),
     # Qwen3.5's Gated DeltaNet layers: kt_serve's CPU ops (sglang_plugin/gdn_ops.py, qwen35_ops.py)
     ("GDN ops (conv, delta rule, gating, gated norm, qkvz split)",

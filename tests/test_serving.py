@@ -264,8 +264,9 @@ def test_mismatched_expert_adapter_refused_at_start(qwen3, workdir):
     assert "layer 0" in message and "[8, 32, 4]" in message and "[8, 64, 4]" in message, message[-2000:]
 
 
-def test_dense_layers_run_on_the_kernel(server_q3):
-    """On a CPU host the plugin packs the bf16 linear layers and lm_head (kt_serve/sglang_plugin/dense_linear.py):
-    every served-vs-reference test above runs through them."""
+def test_cpu_ops_run_on_the_kernel(server_q3):
+    """On a CPU host the plugin runs the bf16 linear layers, lm_head (sglang_plugin/dense_linear.py) and RMSNorm
+    (cpu_norm.py) on the kernel: every served-vs-reference test above went through them."""
     log = server_q3.log_tail(100000)
     assert "dense layers (linear and lm_head) on the kt_serve kernel" in log, log[-3000:]
+    assert "RMSNorm on the kt_serve kernel" in log, log[-3000:]

@@ -33,10 +33,10 @@ FLAGS = [
                "checkpoints at load, layer by layer")),
     ("--kt-expert-group-size", "expert_group_size",
      dict(type=int, default=128, help="kt_serve: K values per int4 scale (a multiple of 64; default 128)")),
-    ("--kt-dense-linear", "dense_linear",
+    ("--kt-cpu-ops", "cpu_ops",
      dict(choices=["auto", "on", "off"], default="auto",
-          help="kt_serve: on a CPU host, run the bf16 linear layers (attention, shared experts, router) and lm_head "
-               "on the kt_serve kernel's packed GEMV/GEMM ('auto', default: with --kt-moe on)")),
+          help="kt_serve: on a CPU host, run the bf16 linear layers (attention, shared experts, router), lm_head "
+               "and RMSNorm on the kt_serve kernel ('auto', default: with --kt-moe on)")),
     ("--kt-lora-cache-dir", "lora_cache_dir",
      dict(default=None, help="kt_serve: where composite adapters are split (default: a per-user temp dir)")),
 ]

@@ -30,8 +30,8 @@ class KTServeConfig:
     expert_dtype: str = "auto"
     # K values per int4 scale (and per fp8 scale when a bf16 checkpoint is quantized to fp8)
     expert_group_size: int = 128
-    # a CPU host's bf16 linear layers and lm_head on the kernel's packed GEMV/GEMM: auto (= on with --kt-moe on)
-    dense_linear: str = "auto"
+    # a CPU host's bf16 linear layers, lm_head and RMSNorm on the kt_serve kernel: auto (= on with --kt-moe on)
+    cpu_ops: str = "auto"
 
     def __post_init__(self):
         if self.moe not in ("on", "off"):
@@ -44,8 +44,8 @@ class KTServeConfig:
             raise ValueError(f"--kt-expert-dtype={self.expert_dtype!r}: expected auto, {', '.join(WEIGHT_FORMATS)}")
         if self.expert_group_size < 64 or self.expert_group_size % 64:
             raise ValueError(f"--kt-expert-group-size={self.expert_group_size}: expected a positive multiple of 64")
-        if self.dense_linear not in ("auto", "on", "off"):
-            raise ValueError(f"--kt-dense-linear={self.dense_linear!r}: expected auto, on or off")
+        if self.cpu_ops not in ("auto", "on", "off"):
+            raise ValueError(f"--kt-cpu-ops={self.cpu_ops!r}: expected auto, on or off")
         if self.moe == "off" and self.expert_lora_path:
             raise ValueError("--kt-expert-lora-path needs --kt-moe on (expert LoRA runs in the kt_serve kernel)")
 
@@ -54,8 +54,8 @@ class KTServeConfig:
         return self.moe == "on"
 
     @property
-    def dense_enabled(self) -> bool:
-        return self.dense_linear == "on" or (self.dense_linear == "auto" and self.enabled)
+    def cpu_ops_enabled(self) -> bool:
+        return self.cpu_ops == "on" or (self.cpu_ops == "auto" and self.enabled)
 
     @staticmethod
     def env_name(field: str) -> str:

@@ -6,7 +6,7 @@ experts at. After the model is loaded, each such layer's weight is packed once (
 and the layer's quant method runs it; SGLang's LoRA wrappers call that method for the base output and add their
 LoRA on top, so adapters are unaffected. Hosts with AMX keep SGLang's own packed AMX kernel.
 
-``--kt-dense-linear auto|on|off`` (auto: with ``--kt-moe on``).
+``--kt-cpu-ops auto|on|off`` (auto: with ``--kt-moe on``; cpu_norm.py is the other half).
 """
 
 from __future__ import annotations
@@ -88,6 +88,6 @@ def compute_lm_head(original, processor, hidden_states, lm_head, embedding_bias=
 
 
 def after_load_model(result, model_runner, *args, **kwargs):
-    """AFTER ModelRunner.load_model (CPU host, --kt-dense-linear on): pack the loaded model's dense layers."""
+    """AFTER ModelRunner.load_model (CPU host, --kt-cpu-ops on): pack the loaded model's dense layers."""
     pack_model(model_runner.model)
     return result

@@ -42,7 +42,7 @@ class DequantizedFp8LinearMethod(Fp8LinearMethod):
     def apply(self, layer, x: torch.Tensor, bias=None) -> torch.Tensor:
         from .dense_linear import run
 
-        out = run(layer, x, bias)  # packed by the plugin's dense path (--kt-dense-linear)
+        out = run(layer, x, bias)  # packed by the plugin's dense path (--kt-cpu-ops)
         return F.linear(x, layer.weight, bias) if out is None else out
 
 

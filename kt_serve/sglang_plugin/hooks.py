@@ -47,7 +47,7 @@ def _register_worker_hooks(HookRegistry, HookType) -> None:
 
     if cpu_compat.cpu_only_host():
         cpu_compat.disable_pin_memory()
-        if get_config().dense_enabled:
+        if get_config().cpu_ops_enabled:
             from . import dense_linear
 
             HookRegistry.register(f"{MODEL_RUNNER}.load_model", dense_linear.after_load_model, HookType.AFTER)
@@ -55,6 +55,13 @@ def _register_worker_hooks(HookRegistry, HookType) -> None:
                                   HookType.AROUND)
             HookRegistry.register(f"{dense_linear.LOGITS_PROCESSOR}._compute_lm_head", dense_linear.compute_lm_head,
                                   HookType.AROUND)
+            from sglang.srt.utils.common import cpu_has_amx_support
+
+            if not cpu_has_amx_support():  # with AMX, SGLang's forward_cpu runs its own fused kernel
+                from . import cpu_norm
+
+                HookRegistry.register(f"{cpu_norm.RMS_NORM}.forward_native", cpu_norm.rms_norm_forward_native,
+                                      HookType.AROUND)
         HookRegistry.register(f"{ELEMENTWISE}.fused_gate_sigmoid_mul_add", cpu_compat.gate_sigmoid_mul_add_cpu,
                               HookType.AROUND)
         HookRegistry.register(f"{ELEMENTWISE}.fused_gate_sigmoid_mul", cpu_compat.gate_sigmoid_mul_cpu,

@@ -1,0 +1,42 @@
+#include "rms_norm.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "thread_pool.h"
+
+namespace kt {
+
+namespace {
+constexpr int64_t kSerialValues = 1 << 15;  // below this many values a call stays on the calling thread
+
+void norm_row(int H, const bf16* x, const bf16* r, const bf16* w, float eps, bf16* y, bf16* r_out, float* s) {
+  float ss = 0.f;
+  for (int i = 0; i < H; ++i) {
+    s[i] = bf16_to_f32(x[i]) + (r ? bf16_to_f32(r[i]) : 0.f);
+    ss += s[i] * s[i];
+  }
+  if (r_out)
+    for (int i = 0; i < H; ++i) r_out[i] = f32_to_bf16(s[i]);
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+  for (int i = 0; i < H; ++i) y[i] = f32_to_bf16(s[i] * inv * bf16_to_f32(w[i]));
+}
+}  // namespace
+
+void rms_norm(int M, int H, const bf16* x, const bf16* residual, int64_t ld, const bf16* w, float eps, bf16* y,
+              bf16* residual_out) {
+  auto rows = [&](int64_t m0, int64_t m1) {
+    thread_local std::vector<float> s;
+    s.resize(H);
+    for (int64_t m = m0; m < m1; ++m)
+      norm_row(H, x + m * ld, residual ? residual + m * ld : nullptr, w, eps, y + m * ld,
+               residual ? residual_out + m * ld : nullptr, s.data());
+  };
+  if (static_cast<int64_t>(M) * H < kSerialValues) return rows(0, M);
+  auto pool = global_pool();
+  const int64_t tasks = std::min<int64_t>(M, 4 * pool->num_threads());
+  pool->parallel_for(tasks, [&](int64_t t) { rows(t * M / tasks, (t + 1) * M / tasks); });
+}
+
+}  // namespace kt

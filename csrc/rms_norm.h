@@ -1,0 +1,16 @@
+// RMSNorm of a CPU decode step in one pass (SGLang's RMSNorm.forward_native, which runs it as a chain of torch ops,
+// each a dispatch and a pass over the rows): for each row, s = x (+ residual) in fp32, residual_out = bf16(s),
+// y = bf16(s · rsqrt(mean(s²) + eps) · w).
+#pragma once
+#include <cstdint>
+
+#include "kernels.h"
+
+namespace kt {
+
+// M rows of H values: x, residual (null: none), y and residual_out (null when residual is) bf16, rows ld apart
+// (the same ld for all); w bf16 [H]. y may alias x, residual_out may alias residual.
+void rms_norm(int M, int H, const bf16* x, const bf16* residual, int64_t ld, const bf16* w, float eps, bf16* y,
+              bf16* residual_out);
+
+}  // namespace kt

@@ -1,0 +1,41 @@
+"""RMSNorm in one C++ pass (``kt_serve._kernel.rms_norm``; csrc/rms_norm.h), the semantics of SGLang's
+``RMSNorm.forward_native`` for bf16: ``s = x (+ residual)`` in fp32, the new residual ``bf16(s)``, the output
+``bf16(s · rsqrt(mean(s²) + eps) · w)``. The plugin runs a CPU host's RMSNorm layers through it
+(:mod:`kt_serve.sglang_plugin.cpu_norm`), where torch's chain of small ops costs a dispatch per op.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from kt_serve import _kernel
+
+__all__ = ["rms_norm"]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None):
+    """``y`` for ``x`` bf16 ``[..., H]`` and ``weight`` bf16 ``[H]``; with ``residual`` (bf16, x's shape) also
+    the new residual: returns ``(y, residual_out)``. New tensors; the inputs are not written."""
+    H = int(weight.shape[-1]) if isinstance(weight, torch.Tensor) and weight.dim() == 1 else None
+    if H is None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        raise ValueError(f"weight must be a CPU bf16 tensor [H], got {getattr(weight, 'shape', type(weight).__name__)}")
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] != H:
+        raise ValueError(f"x must be a CPU bf16 tensor [..., {H}], got {getattr(x, 'shape', type(x).__name__)}")
+    if residual is not None and (residual.dtype != torch.bfloat16 or residual.shape != x.shape
+                                 or residual.device.type != "cpu"):
+        raise ValueError(f"residual must be a CPU bf16 tensor of x's shape {tuple(x.shape)}")
+    x = x.contiguous()
+    w = weight.contiguous()
+    y = torch.empty_like(x)
+    M = x.numel() // H
+    if residual is None:
+        if M:
+            _kernel.rms_norm(M, H, x.data_ptr(), 0, H, w.data_ptr(), float(eps), y.data_ptr(), 0)
+        return y
+    r = residual.contiguous()
+    r_out = torch.empty_like(x)
+    if M:
+        _kernel.rms_norm(M, H, x.data_ptr(), r.data_ptr(), H, w.data_ptr(), float(eps), y.data_ptr(), r_out.data_ptr())
+    return y, r_out

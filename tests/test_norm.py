@@ -1,0 +1,54 @@
+"""kt_serve.norm.rms_norm (one C++ pass) against an fp32 torch restatement of SGLang's RMSNorm.forward_native
+(bf16 inputs and weight; with and without the residual add), at decode and prefill row counts and odd widths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kt_serve.norm import rms_norm
+
+
+def reference(x, w, eps, residual=None):
+    s = x.float() + (residual.float() if residual is not None else 0)
+    y = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * w.float()).bfloat16()
+    return y if residual is None else (y, s.bfloat16())
+
+
+def ulps(a, b):  # bf16 steps between a and b, per element
+    return ((a.float() - b.float()).abs() / (b.float().abs() * 2**-7).clamp_min(1e-30)).amax().item()
+
+
+@pytest.mark.parametrize("shape", [(1, 2048), (7, 100), (3, 2, 33), (512, 1024)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_matches_forward_native(shape, with_residual):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(*shape, generator=g) * 3).bfloat16()
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).bfloat16()
+    r = torch.randn(*shape, generator=g).bfloat16() if with_residual else None
+    x0, r0 = x.clone(), None if r is None else r.clone()
+    got, want = rms_norm(x, w, 1e-6, r), reference(x, w, 1e-6, r)
+    if with_residual:
+        assert torch.equal(got[1], want[1])  # the new residual: bf16(x + r) exactly
+        got, want = got[0], want[0]
+    assert got.shape == x.shape and got.dtype == torch.bfloat16
+    assert ulps(got, want) <= 1.0  # one rounding step at most (fp32 sums in another order)
+    assert torch.equal(x, x0) and (r is None or torch.equal(r, r0))  # inputs untouched
+
+
+def test_eps_and_zero_rows():
+    x = torch.zeros(2, 64).bfloat16()
+    w = torch.ones(64).bfloat16()
+    assert torch.equal(rms_norm(x, w, 1e-5), x)
+    x[1] = 1e-3
+    assert torch.equal(rms_norm(x, w, 1.0), reference(x, w, 1.0))
+
+
+def test_bad_arguments_raise_clear_errors():
+    w = torch.ones(16).bfloat16()
+    with pytest.raises(ValueError, match="weight must be"):
+        rms_norm(torch.zeros(2, 16).bfloat16(), torch.ones(16), 1e-6)
+    with pytest.raises(ValueError, match=r"x must be .*\[\.\.\., 16\]"):
+        rms_norm(torch.zeros(2, 15).bfloat16(), w, 1e-6)
+    with pytest.raises(ValueError, match="residual must be"):
+        rms_norm(torch.zeros(2, 16).bfloat16(), w, 1e-6, torch.zeros(3, 16).bfloat16())
