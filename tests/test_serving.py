@@ -8,9 +8,8 @@ refused start (mismatched expert adapter).
 
 from __future__ import annotations
 
-import re
-
 import concurrent.futures
+import re
 
 import openai
 import pytest
