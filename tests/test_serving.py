@@ -8,8 +8,9 @@ refused start (mismatched expert adapter).
 
 from __future__ import annotations
 
-import concurrent.futures
 import re
+
+import concurrent.futures
 
 import openai
 import pytest
