@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -23,10 +24,28 @@ import urllib.request
 from pathlib import Path
 
 
-def free_port() -> int:
+# Below Linux's ephemeral range (32768-60999): a port the kernel hands out for bind(0) -- SGLang's own ZMQ/NCCL
+# sockets, another server's clients -- can then never take the HTTP port between our check and SGLang's bind.
+_PORT_RANGE = (20000, 32000)
+
+
+def _port_is_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A free TCP port outside the ephemeral range (chosen at random so concurrent test runs rarely meet)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(*_PORT_RANGE)
+        if _port_is_free(port):
+            return port
+    raise RuntimeError(f"no free TCP port in {_PORT_RANGE[0]}-{_PORT_RANGE[1]}")
 
 
 def cpu_env() -> dict[str, str]:
@@ -41,6 +60,14 @@ class ServerStartError(RuntimeError):
     pass
 
 
+class _PortTaken(Exception):
+    """SGLang could not bind its HTTP port (someone took it between free_port() and the bind)."""
+
+
+_BIND_FAILED = "error while attempting to bind"
+_BOUND = "Uvicorn running on"
+
+
 class SGLangServer:
     """Context manager around one SGLang server process tree.
 
@@ -53,13 +80,13 @@ class SGLangServer:
                  max_total_tokens: int = 2048, startup_timeout: float = 300.0, log_path=None,
                  env: dict[str, str | None] | None = None, python: str = sys.executable):
         self.model_path = str(model_path)
-        self.port = port or free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        self._port_given = port is not None
         self.startup_timeout = startup_timeout
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="sglang_", suffix=".log")[1])
-        self.cmd = [python, "-m", "sglang.launch_server", "--model-path", self.model_path, "--host", "127.0.0.1",
-                    "--port", str(self.port), "--device", device, "--max-total-tokens", str(max_total_tokens),
-                    *map(str, extra_args)]
+        self._base_cmd = [python, "-m", "sglang.launch_server", "--model-path", self.model_path,
+                          "--host", "127.0.0.1", "--device", device, "--max-total-tokens", str(max_total_tokens),
+                          *map(str, extra_args)]
+        self._use_port(port or free_port())
         self.env = cpu_env() if device == "cpu" else dict(os.environ)
         for key, value in (env or {}).items():  # None unsets a variable
             if value is None:
@@ -68,20 +95,35 @@ class SGLangServer:
                 self.env[key] = value
         self.proc: subprocess.Popen | None = None
 
+    def _use_port(self, port: int) -> None:
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.cmd = [*self._base_cmd, "--port", str(port)]
+
     # -- lifecycle -------------------------------------------------------------------------------------------
-    def start(self) -> "SGLangServer":
-        log = open(self.log_path, "wb")
-        try:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                         start_new_session=True)
-        finally:
-            log.close()
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+    def start(self, attempts: int = 3) -> "SGLangServer":
+        """Launch and wait until a generate request answers; a port taken meanwhile by another process is
+        retried on a fresh one (unless the caller chose the port)."""
+        for attempt in range(attempts):
+            log = open(self.log_path, "wb")
+            try:
+                self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                             start_new_session=True)
+            finally:
+                log.close()
+            try:
+                self._wait_ready()
+                return self
+            except _PortTaken:
+                self.stop()
+                if self._port_given or attempt == attempts - 1:
+                    raise ServerStartError(f"port {self.port} is taken by another process; log {self.log_path}:\n"
+                                           f"{self.log_tail()}") from None
+                self._use_port(free_port())
+            except BaseException:
+                self.stop()
+                raise
+        raise AssertionError("unreachable")
 
     def stop(self) -> None:
         if self.proc is None:
@@ -129,6 +171,13 @@ class SGLangServer:
             if self.proc.poll() is not None:
                 raise ServerStartError(f"SGLang exited with code {self.proc.returncode} during start-up; "
                                        f"log {self.log_path}:\n{self.log_tail()}")
+            log = self.log_tail(400)
+            if _BIND_FAILED in log:
+                raise _PortTaken()
+            if _BOUND not in log:  # probe only our own uvicorn: a squatter on the port could hang or answer
+                last = "HTTP port not bound yet"
+                time.sleep(1.0)
+                continue
             try:
                 status, body = self.post("/generate", probe, timeout=30)
                 if status == 200 and body.get("meta_info"):

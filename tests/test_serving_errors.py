@@ -66,3 +66,27 @@ def test_text_only_qwen35_checkpoint_refused(workdir):
     build_tokenizer(1024).save_pretrained(text_only)
     message = start_error(text_only, [])
     assert f"kt_serve: {text_only} is a text-only Qwen3.5-MoE checkpoint" in message, message[-2000:]
+
+
+def test_port_taken_before_bind_is_retried_on_a_fresh_port(moe_model, monkeypatch):
+    """Another process takes the chosen HTTP port between free_port() and SGLang's bind (CI saw it): the helper
+    restarts on a fresh port instead of probing the squatter until its timeout."""
+    import socket
+
+    import kt_serve.server as server_mod
+
+    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()  # accepts connections and never answers, as a foreign socket would
+    taken = squatter.getsockname()[1]
+    ports = iter([taken])
+    real_free_port = server_mod.free_port
+    monkeypatch.setattr(server_mod, "free_port", lambda: next(ports, None) or real_free_port())
+    try:
+        with SGLangServer(moe_model, [], startup_timeout=180) as srv:
+            assert srv.port != taken
+            status, body = srv.post("/generate", {"input_ids": [5, 6],
+                                                  "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}})
+            assert status == 200 and body["meta_info"]["completion_tokens"] == 2, body
+    finally:
+        squatter.close()
