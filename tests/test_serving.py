@@ -9,6 +9,7 @@ refused start (mismatched expert adapter).
 from __future__ import annotations
 
 import concurrent.futures
+import re
 
 import openai
 import pytest
@@ -270,3 +271,5 @@ def test_cpu_ops_run_on_the_kernel(server_q3):
     log = server_q3.log_tail(100000)
     assert "dense layers (linear and lm_head) on the kt_serve kernel" in log, log[-3000:]
     assert "RMSNorm on the kt_serve kernel" in log, log[-3000:]
+    released = re.search(r"([0-9.]+) MiB of torch weights released", log)  # the tests above ran without them
+    assert released and float(released.group(1)) > 0, log[-3000:]

@@ -6,11 +6,18 @@ experts at. After the model is loaded, each such layer's weight is packed once (
 and the layer's quant method runs it; SGLang's LoRA wrappers call that method for the base output and add their
 LoRA on top, so adapters are unaffected. Hosts with AMX keep SGLang's own packed AMX kernel.
 
+A packed layer's torch weight is then released (replaced by a zero-strided placeholder of the same shape and dtype,
+so shape checks still pass and a write to it, e.g. a runtime weight update the packed copy would not see, fails
+loudly) unless something reads it besides the quant method: the shared-expert gate (SGLang's fused CPU gate op
+takes the weight), a weight tied to another module (embeddings), and lm_head with LoRA enabled (SGLang's LoRA
+lm_head runs F.linear on the weight).
+
 ``--kt-cpu-ops auto|on|off`` (auto: with ``--kt-moe on``; cpu_norm.py is the other half).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 
 import torch
@@ -30,9 +37,13 @@ def _packable(module) -> bool:
             and weight.dtype == torch.bfloat16 and not use_intel_amx_backend(module))
 
 
-def pack_model(model) -> int:
-    """Packs every bf16 linear layer run by SGLang's unquantized (or our dequantized-FP8) method, and lm_head.
-    Returns the packed bytes."""
+def _release(weight: torch.Tensor) -> None:
+    weight.data = torch.zeros((), dtype=weight.dtype).expand(weight.shape)
+
+
+def pack_model(model, enable_lora: bool = False) -> int:
+    """Packs every bf16 linear layer run by SGLang's unquantized (or our dequantized-FP8) method, and lm_head, and
+    releases the torch weights nothing else reads. Returns the packed bytes."""
     from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
     from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
 
@@ -40,20 +51,27 @@ def pack_model(model) -> int:
 
     from .fp8_linear import DequantizedFp8LinearMethod
 
-    total, layers = 0, 0
-    for module in model.modules():
+    owners = collections.Counter(p.data_ptr() for _, p in model.named_parameters(remove_duplicate=False))
+    total, layers, released = 0, 0, 0
+    for name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
         linear = isinstance(method, (UnquantizedLinearMethod, DequantizedFp8LinearMethod))
-        if not (linear or isinstance(module, ParallelLMHead)) or not _packable(module):
+        lm_head = isinstance(module, ParallelLMHead)
+        if not (linear or lm_head) or not _packable(module):
             continue
         bias = getattr(module, "bias", None) if linear else None
         packed = PackedLinear(module.weight.data, bias if isinstance(bias, torch.Tensor) else None)
         setattr(module, _ATTR, packed)
         total += packed.weight_bytes
         layers += 1
+        read_elsewhere = (name.endswith("shared_expert_gate") or owners[module.weight.data_ptr()] > 1
+                          or (lm_head and enable_lora))
+        if not read_elsewhere:
+            released += module.weight.numel() * module.weight.element_size()
+            _release(module.weight)
     if layers:
         logger.info("kt_serve: %d dense layers (linear and lm_head) on the kt_serve kernel (%.1f MiB packed bf16, "
-                    "isa %s)", layers, total / 2**20, packed.isa)
+                    "isa %s; %.1f MiB of torch weights released)", layers, total / 2**20, packed.isa, released / 2**20)
     return total
 
 
@@ -89,5 +107,5 @@ def compute_lm_head(original, processor, hidden_states, lm_head, embedding_bias=
 
 def after_load_model(result, model_runner, *args, **kwargs):
     """AFTER ModelRunner.load_model (CPU host, --kt-cpu-ops on): pack the loaded model's dense layers."""
-    pack_model(model_runner.model)
+    pack_model(model_runner.model, enable_lora=bool(getattr(model_runner.server_args, "enable_lora", False)))
     return result
