@@ -24,9 +24,10 @@ import urllib.request
 from pathlib import Path
 
 
-# Below Linux's ephemeral range (32768-60999): a port the kernel hands out for bind(0) -- SGLang's own ZMQ/NCCL
-# sockets, another server's clients -- can then never take the HTTP port between our check and SGLang's bind.
-_PORT_RANGE = (20000, 32000)
+# Below Linux's ephemeral range (32768-60999), so a port the kernel hands out for bind(0) or connect() (SGLang's
+# ZMQ sockets, another server's clients) never takes the HTTP port between our check and SGLang's bind; and below
+# 22000-29999, where SGLang picks its NCCL/TCPStore port (get_free_port_below_ephemeral) to bind later.
+_PORT_RANGE = (10000, 22000)
 
 
 def _port_is_free(port: int) -> bool:
