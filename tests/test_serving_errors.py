@@ -33,9 +33,9 @@ def build_tiny_dense(out_dir):
     return out_dir
 
 
-def start_error(model, args) -> str:
+def start_error(model, args, **kwargs) -> str:
     with pytest.raises(ServerStartError) as err:
-        with SGLangServer(model, args, startup_timeout=180):
+        with SGLangServer(model, args, startup_timeout=180, **kwargs):
             pass
     return str(err.value)
 
@@ -88,5 +88,8 @@ def test_port_taken_before_bind_is_retried_on_a_fresh_port(moe_model, monkeypatc
             status, body = srv.post("/generate", {"input_ids": [5, 6],
                                                   "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}})
             assert status == 200 and body["meta_info"]["completion_tokens"] == 2, body
+        # A port the caller chose is not swapped behind its back: a clear error instead.
+        message = start_error(moe_model, [], port=taken)
+        assert f"port {taken} is taken by another process" in message, message[-2000:]
     finally:
         squatter.close()
