@@ -273,3 +273,32 @@ def test_cpu_ops_run_on_the_kernel(server_q3):
     assert "RMSNorm on the kt_serve kernel" in log, log[-3000:]
     released = re.search(r"([0-9.]+) MiB of torch weights released", log)  # the tests above ran without them
     assert released and float(released.group(1)) > 0, log[-3000:]
+
+
+def _process_group_cpu_seconds(pgid: int) -> float:
+    """user + system CPU time of every live process in a process group, from /proc/<pid>/stat."""
+    import os
+
+    total = 0.0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # fields[2] is the 5th stat field, pgrp; utime, stime are the 14th, 15th
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def test_idle_server_does_not_hold_a_core(server_q3):
+    """An idle stock SGLang scheduler polls its sockets in a busy loop (one core at 100%); the plugin turns on
+    sleep_on_idle, so between requests the server's processes together use a small fraction of one core."""
+    import time
+
+    complete(server_q3, server_q3.model_path, [5, 6, 7])  # the server has just worked, then goes idle
+    time.sleep(2.0)
+    before, t0 = _process_group_cpu_seconds(server_q3.proc.pid), time.monotonic()
+    time.sleep(6.0)
+    used = (_process_group_cpu_seconds(server_q3.proc.pid) - before) / (time.monotonic() - t0)
+    assert used < 0.3, f"idle server used {used:.2f} cores"
