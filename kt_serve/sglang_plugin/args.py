@@ -81,8 +81,8 @@ def from_cli_args_hook(server_args, *args, **kwargs):
     split_cores_between_ranks(server_args)
     if config.enabled:
         # An idle SGLang scheduler polls its sockets in a busy loop, holding a whole core that the kernel's threads
-        # (and, on a small host, every other process) need; sleep_on_idle blocks in zmq poll instead, which wakes
-        # on the next request, so latency is unchanged.
+        # (and, on a small host, every other process) need; sleep_on_idle blocks in zmq poll instead, which returns
+        # as soon as the next request arrives.
         server_args.sleep_on_idle = True
     return server_args
 
