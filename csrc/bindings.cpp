@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 
+#include "decode_attention.h"
 #include "dense_linear.h"
 #include "dropout.h"
 #include "kernels.h"
@@ -129,6 +130,19 @@ PYBIND11_MODULE(_kernel, m) {
                      ptr<bf16>(residual_out));
       },
       "RMSNorm of M bf16 rows (optionally after adding a residual); see csrc/rms_norm.h");
+  m.def(
+      "decode_attention",
+      [](int B, int Hq, int Hkv, int D, int Dv, uintptr_t q, int64_t ldq, uintptr_t k, int64_t ldk, uintptr_t v,
+         int64_t ldv, uintptr_t req_to_token, int64_t ld_req, uintptr_t req_pool_indices, uintptr_t seq_lens,
+         float scale, uintptr_t out, int64_t ldo, const std::string& isa) {
+        const kt::Kernels& kern = kt::select_kernels(isa.c_str());
+        const kt::PagedKV kv{ptr<const bf16>(k), ldk, ptr<const bf16>(v), ldv, ptr<const int32_t>(req_to_token),
+                             ld_req};
+        py::gil_scoped_release nogil;
+        kt::decode_attention(B, Hq, Hkv, D, Dv, ptr<const bf16>(q), ldq, kv, ptr<const int64_t>(req_pool_indices),
+                             ptr<const int64_t>(seq_lens), scale, ptr<bf16>(out), ldo, kern);
+      },
+      "Decode attention of B requests over a paged bf16 KV cache; see csrc/decode_attention.h");
   m.def("set_num_threads", &kt::set_num_threads, py::arg("n"),
         "Size of the global worker pool (caller included); n < 1 means the default (physical cores).");
   m.def("num_threads", [] { return kt::global_pool()->num_threads(); });

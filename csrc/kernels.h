@@ -55,6 +55,7 @@ struct Int16Rows {
   Int16Rows from(int m0) const { return {q + m0 * ld, sums + m0 * (ld / 32), scale + m0, ld}; }
 };
 
+constexpr int kMaxHeadDim = 1024;  // decode attention's D and Dv: the primitives hold one K or V row in fp32 on the stack
 constexpr int kNeverDecode = 1 << 30;  // Kernels::int_decode_min_rows of the tables whose integer path always wins
 
 struct Kernels {
@@ -112,6 +113,17 @@ struct Kernels {
   // register-decoding qgemm_block: the integer dot products (vpdpwssd, vpmaddwd) outrun the bf16 ones at any
   // row count on the AVX tables (never), AMX tiles outrun them from 16 rows. fp8 is decoded from 16 rows always.
   int int_decode_min_rows;
+
+  // Decode attention (decode_attention.cpp), the G query heads of one KV head over n cache slots; K and V rows
+  // bf16 at K + slots[j] * ldk (V + slots[j] * ldv), D and Dv <= kMaxHeadDim.
+  // Scores S[g][j] = Σ_d Q[g][d] · K_j[d], Q fp32 [G][D], S rows lds apart.
+  void (*attn_scores)(int n, int G, int D, const float* Q, const bf16* K, int64_t ldk, const int32_t* slots, float* S,
+                      int64_t lds);
+  // Softmax numerators in place, x[j] = e^(x[j] - m); returns their sum.
+  float (*exp_shifted)(int n, float* x, float m);
+  // O[g][d] += Σ_j P[g][j] · V_j[d], P rows ldp apart, O fp32 [G][Dv].
+  void (*attn_values)(int n, int G, int Dv, const float* P, int64_t ldp, const bf16* V, int64_t ldv,
+                      const int32_t* slots, float* O);
 };
 
 const Kernels& kernels_portable();

@@ -525,6 +525,22 @@ float swiglu_backward_avx2(int n, float w, const float* q, const bf16* h, float*
   return hsum(dot);
 }
 
+// ------------------------------------------------------------------------------------------------ attention
+
+float exp_shifted_avx2(int n, float* x, float m) {
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 sum = _mm256_setzero_ps();
+  for (int j = 0; j < n; j += 8) {
+    const int left = n - j;
+    // lanes past n load as 0 and would add e^-m: mask them out of the sum
+    __m256 e = exp256(_mm256_sub_ps(load8(x + j, left), mv));
+    if (left < 8) e = _mm256_and_ps(e, _mm256_castsi256_ps(tail_mask(left)));
+    sum = _mm256_add_ps(sum, e);
+    store8(x + j, e, left);
+  }
+  return hsum(sum);
+}
+
 }  // namespace
 
 namespace kt {
@@ -533,7 +549,8 @@ const Kernels* kernels_avx2() {
   static const Kernels k{"avx2",             gemm_block_avx2,     gemm_block_pair_avx2, lora_a_bf16_avx2,
                          lora_a_f32_avx2,    lora_b_add_avx2,     outer_acc_bf16_avx2,  outer_acc_f32_avx2,
                          swiglu_avx2,        swiglu_backward_avx2, qgemm_block_avx2,
-                         qgemm_block_pair_avx2, decode_rows_generic, quantize_rows_generic, kNeverDecode};
+                         qgemm_block_pair_avx2, decode_rows_generic, quantize_rows_generic, kNeverDecode,
+                         attn_scores_generic, exp_shifted_avx2, attn_values_generic};
   return &k;
 }
 

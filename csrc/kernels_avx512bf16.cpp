@@ -214,6 +214,20 @@ float swiglu_backward_avx512(int n, float w, const float* q, const bf16* h, floa
   return _mm512_reduce_add_ps(dot);
 }
 
+// ------------------------------------------------------------------------------------------------ attention
+
+float exp_shifted_avx512(int n, float* x, float m) {
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+  for (int j = 0; j < n; j += 16) {
+    const __mmask16 k = tail_mask(n - j);
+    const __m512 e = exp512(_mm512_sub_ps(load16(x + j, k), mv));
+    sum = _mm512_mask_add_ps(sum, k, sum, e);
+    _mm512_mask_storeu_ps(x + j, k, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
 }  // namespace
 
 namespace kt {
@@ -225,7 +239,8 @@ const Kernels* kernels_avx512_bf16() {
   static const Kernels k{"avx512_bf16",         gemm_block_avx512,      gemm_block_pair_avx512, lora_a_bf16_avx512,
                          lora_a_f32_avx512,     lora_b_add_generic,     outer_acc_bf16_generic,
                          outer_acc_f32_generic, swiglu_avx512,          swiglu_backward_avx512, qgemm_block_avx512,
-                         qgemm_block_pair_avx512, decode_rows_avx512, quantize_rows_generic, kNeverDecode};
+                         qgemm_block_pair_avx512, decode_rows_avx512, quantize_rows_generic, kNeverDecode,
+                         attn_scores_generic, exp_shifted_avx512, attn_values_generic};
   return &k;
 }
 

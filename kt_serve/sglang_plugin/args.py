@@ -35,8 +35,9 @@ FLAGS = [
      dict(type=int, default=128, help="kt_serve: K values per int4 scale (a multiple of 64; default 128)")),
     ("--kt-cpu-ops", "cpu_ops",
      dict(choices=["auto", "on", "off"], default="auto",
-          help="kt_serve: on a CPU host, run the bf16 linear layers (attention, shared experts, router), lm_head "
-               "and RMSNorm on the kt_serve kernel ('auto', default: with --kt-moe on)")),
+          help="kt_serve: on a CPU host, run the bf16 linear layers (attention, shared experts, router), lm_head, "
+               "RMSNorm and (without AMX, as --attention-backend kt_cpu) decode attention on the kt_serve kernel "
+               "('auto', default: with --kt-moe on)")),
     ("--kt-lora-cache-dir", "lora_cache_dir",
      dict(default=None, help="kt_serve: where composite adapters are split (default: a per-user temp dir)")),
 ]
@@ -57,15 +58,34 @@ def add_cli_args_hook(result, parser, *args, **kwargs):
     return result
 
 
-def from_cli_args_hook(server_args, *args, **kwargs):
-    """AFTER ServerArgs.from_cli_args(namespace): validate our flags, export them for the schedulers."""
-    namespace = next(a for a in list(args) + list(kwargs.values()) if isinstance(a, argparse.Namespace))
+def _namespace(args, kwargs) -> argparse.Namespace | None:
+    return next((a for a in list(args) + list(kwargs.values()) if isinstance(a, argparse.Namespace)), None)
+
+
+def _flag_values(namespace: argparse.Namespace) -> dict:
     values = {}
     for flag, dest, _ in FLAGS:
         for attr in (f"kt_serve_{dest}", flag[2:].replace("-", "_")):
             if getattr(namespace, attr, None) is not None:
                 values[dest] = getattr(namespace, attr)
                 break
+    return values
+
+
+def default_attention_backend_hook(*args, **kwargs):
+    """BEFORE ServerArgs.from_cli_args(namespace): the kt_cpu attention backend by default where it applies
+    (cpu_attention.py), set on the namespace so SGLang resolves it like a user's --attention-backend."""
+    namespace = _namespace(args, kwargs)
+    if namespace is not None:
+        from .cpu_attention import default_on_cpu
+
+        default_on_cpu(namespace, KTServeConfig(**_flag_values(namespace)).cpu_ops_enabled)
+    return None
+
+
+def from_cli_args_hook(server_args, *args, **kwargs):
+    """AFTER ServerArgs.from_cli_args(namespace): validate our flags, export them for the schedulers."""
+    values = _flag_values(_namespace(args, kwargs))
     config = KTServeConfig(**values)
     if config.expert_lora_path:
         path = os.path.abspath(config.expert_lora_path)

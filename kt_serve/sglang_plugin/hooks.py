@@ -34,8 +34,12 @@ def register_hooks() -> None:
         from .qwen35_ops import install_qwen35_cpu_ops
 
         install_qwen35_cpu_ops()
+        from . import cpu_attention
+
+        cpu_attention.add_choice()
     HookRegistry.register(f"{SERVER_ARGS}.add_cli_args", args.add_cli_args_hook, HookType.AFTER)
     HookRegistry.register(f"{SERVER_ARGS}.from_cli_args", cpu_compat.hybrid_cache_on_cpu, HookType.BEFORE)
+    HookRegistry.register(f"{SERVER_ARGS}.from_cli_args", args.default_attention_backend_hook, HookType.BEFORE)
     HookRegistry.register(f"{SERVER_ARGS}.from_cli_args", args.from_cli_args_hook, HookType.AFTER)
     if multiprocessing.parent_process() is None:
         return  # launcher / tokenizer process
@@ -47,6 +51,9 @@ def _register_worker_hooks(HookRegistry, HookType) -> None:
 
     if cpu_compat.cpu_only_host():
         cpu_compat.disable_pin_memory()
+        from . import cpu_attention
+
+        cpu_attention.register_backend()
         if get_config().cpu_ops_enabled:
             from . import dense_linear
 

@@ -1,0 +1,30 @@
+// Decode attention over SGLang's paged KV pool: one new query token per request, all requests of a decode batch
+// in one call (what SGLang's torch_native backend does with a Python loop of gathers and SDPA calls). For request b
+// and query head h, with KV head h / (Hq / Hkv) (GQA / MQA),
+//     out[b][h] = Σ_j softmax_j(scale · q[b][h] · K[t_j]) · V[t_j],   t_j = req_to_token[r_b][j],  j < len_b
+// where r_b = req_pool_indices[b] and len_b = seq_lens[b]. All arithmetic fp32; q, K, V, out bf16.
+#pragma once
+#include <cstdint>
+
+#include "kernels.h"
+
+namespace kt {
+
+// The KV cache of one layer: K [slots][Hkv][D], V [slots][Hkv][Dv] (heads contiguous, ldk / ldv values between
+// slots), and the request-to-slot table, int32 rows ld_req apart.
+struct PagedKV {
+  const bf16* k;
+  int64_t ldk;
+  const bf16* v;
+  int64_t ldv;
+  const int32_t* req_to_token;
+  int64_t ld_req;
+};
+
+// q [B][Hq][D] and out [B][Hq][Dv], rows ldq / ldo values apart between requests. A request of length 0 gets zeros.
+// Work is split over (request, KV head, slice of the context), so one long request still uses every thread.
+void decode_attention(int B, int Hq, int Hkv, int D, int Dv, const bf16* q, int64_t ldq, const PagedKV& kv,
+                      const int64_t* req_pool_indices, const int64_t* seq_lens, float scale, bf16* out, int64_t ldo,
+                      const Kernels& k);
+
+}  // namespace kt

@@ -1,0 +1,69 @@
+"""Decode attention over a paged KV cache in one C++ call (``kt_serve._kernel.decode_attention``;
+csrc/decode_attention.h).
+
+The layout is SGLang's token-to-KV pool: K ``[slots, kv_heads, head_dim]`` and V ``[slots, kv_heads, v_head_dim]``
+per layer, and ``req_to_token[req_pool_indices[b], :seq_lens[b]]`` naming the slots of request b's context. The
+plugin's CPU attention backend (:mod:`kt_serve.sglang_plugin.cpu_attention`) runs a CPU host's decode batches
+through it instead of SGLang's torch_native loop over requests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kt_serve import _kernel
+
+__all__ = ["decode_attention", "MAX_HEAD_DIM"]
+
+MAX_HEAD_DIM = 1024  # csrc/kernels.h kMaxHeadDim
+
+
+def _check(name: str, t, dtype, dims: int):
+    if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.device.type != "cpu" or t.dim() != dims:
+        raise ValueError(f"{name} must be a CPU {dtype} tensor of {dims} dims, got "
+                         f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
+                     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     out: torch.Tensor | None = None, *, isa: str = "auto") -> torch.Tensor:
+    """``out [B, Hq, Dv]``: each request's one query token ``q [B, Hq, D]`` (bf16) attending to its cached keys
+    and values (bf16 ``k_cache [slots, Hkv, D]``, ``v_cache [slots, Hkv, Dv]``; Hq a multiple of Hkv), softmax
+    in fp32 with ``scale``. ``req_to_token`` int32 ``[reqs, max_context]``; ``req_pool_indices`` and ``seq_lens``
+    int64 ``[B]``. Writes into ``out`` (bf16, may be a strided view) when given."""
+    _check("q", q, torch.bfloat16, 3)
+    _check("k_cache", k_cache, torch.bfloat16, 3)
+    _check("v_cache", v_cache, torch.bfloat16, 3)
+    _check("req_to_token", req_to_token, torch.int32, 2)
+    B, Hq, D = q.shape
+    Hkv, Dv = k_cache.shape[1], v_cache.shape[2]
+    if k_cache.shape[2] != D or v_cache.shape[1] != Hkv or v_cache.shape[0] != k_cache.shape[0]:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} do not fit q "
+                         f"{tuple(q.shape)}: expected [slots, Hkv, {D}] and [slots, Hkv, Dv]")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"q has {Hq} heads, not a multiple of the cache's {Hkv} KV heads")
+    if max(D, Dv) > MAX_HEAD_DIM:
+        raise ValueError(f"head dims {D} / {Dv}: at most {MAX_HEAD_DIM}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(1) != t.shape[2]:
+            raise ValueError(f"{name}: heads must be contiguous ([..., heads, dim] with stride dim), got {t.stride()}")
+    idx = req_pool_indices.to(torch.int64).contiguous()
+    lens = seq_lens.to(torch.int64).contiguous()
+    if idx.shape != (B,) or lens.shape != (B,):
+        raise ValueError(f"req_pool_indices {tuple(idx.shape)} and seq_lens {tuple(lens.shape)} must be [{B}]")
+    if B and (int(lens.max()) > req_to_token.shape[1] or int(idx.max()) >= req_to_token.shape[0]
+              or int(idx.min()) < 0):
+        raise ValueError(f"req_pool_indices / seq_lens out of req_to_token's {tuple(req_to_token.shape)}")
+    if out is None:
+        out = q.new_empty((B, Hq, Dv))
+    elif out.shape != (B, Hq, Dv) or out.dtype != torch.bfloat16 or out.stride(-1) != 1 or out.stride(1) != Dv:
+        raise ValueError(f"out must be bf16 [{B}, {Hq}, {Dv}] with contiguous heads, got {out.dtype} "
+                         f"{tuple(out.shape)} strides {out.stride()}")
+    if B:
+        _kernel.decode_attention(B, Hq, Hkv, D, Dv, q.data_ptr(), q.stride(0), k_cache.data_ptr(), k_cache.stride(0),
+                                 v_cache.data_ptr(), v_cache.stride(0), req_to_token.data_ptr(),
+                                 req_to_token.stride(0), idx.data_ptr(), lens.data_ptr(), float(scale),
+                                 out.data_ptr(), out.stride(0), isa)
+    return out
