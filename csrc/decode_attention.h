@@ -22,7 +22,8 @@ struct PagedKV {
 };
 
 // q [B][Hq][D] and out [B][Hq][Dv], rows ldq / ldo values apart between requests. A request of length 0 gets zeros.
-// Work is split over (request, KV head, slice of the context), so one long request still uses every thread.
+// Work is split over (request, slice of the context), every head at once (a slot's K and V rows are contiguous),
+// so one long request still uses every thread.
 void decode_attention(int B, int Hq, int Hkv, int D, int Dv, const bf16* q, int64_t ldq, const PagedKV& kv,
                       const int64_t* req_pool_indices, const int64_t* seq_lens, float scale, bf16* out, int64_t ldo,
                       const Kernels& k);

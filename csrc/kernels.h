@@ -115,15 +115,16 @@ struct Kernels {
   int int_decode_min_rows;
 
   // Decode attention (decode_attention.cpp), the G query heads of one KV head over n cache slots; K and V rows
-  // bf16 at K + slots[j] * ldk (V + slots[j] * ldv), D and Dv <= kMaxHeadDim.
-  // Scores S[g][j] = Σ_d Q[g][d] · K_j[d], Q fp32 [G][D], S rows lds apart.
-  void (*attn_scores)(int n, int G, int D, const float* Q, const bf16* K, int64_t ldk, const int32_t* slots, float* S,
-                      int64_t lds);
+  // bf16 at K + slots[j] * ldk (V + slots[j] * ldv), D and Dv <= kMaxHeadDim. Q and O rows are fp32, ldq / ldo
+  // apart, zero-padded to a multiple of 8 values.
+  // Scores S[g][j] = Σ_d Q[g][d] · K_j[d], S rows lds apart.
+  void (*attn_scores)(int n, int G, int D, const float* Q, int64_t ldq, const bf16* K, int64_t ldk,
+                      const int32_t* slots, float* S, int64_t lds);
   // Softmax numerators in place, x[j] = e^(x[j] - m); returns their sum.
   float (*exp_shifted)(int n, float* x, float m);
-  // O[g][d] += Σ_j P[g][j] · V_j[d], P rows ldp apart, O fp32 [G][Dv].
+  // O[g][d] += Σ_j P[g][j] · V_j[d], P rows ldp apart.
   void (*attn_values)(int n, int G, int Dv, const float* P, int64_t ldp, const bf16* V, int64_t ldv,
-                      const int32_t* slots, float* O);
+                      const int32_t* slots, float* O, int64_t ldo);
 };
 
 const Kernels& kernels_portable();

@@ -19,7 +19,8 @@ after row, --repeats times, the median run kept, so a slow drift of the machine 
 --sequential each row's server runs alone, measured --repeats times, then stopped):
   sglang        SGLang without our plugin (SGLANG_PLUGINS excludes it): its per-expert torch loop
   kt base       routed experts in the kt_serve kernel, no adapter (on a CPU host the dense layers and lm_head too)
-  kt cpu ops off  "kt base" with --kt-cpu-ops off: dense layers, lm_head and RMSNorm in torch, as SGLang runs them
+  kt cpu ops off  "kt base" with --kt-cpu-ops off: dense layers, lm_head, RMSNorm and attention as SGLang runs them
+  kt torch attn "kt base" with --attention-backend torch_native: SGLang's attention instead of the plugin's kt_cpu
   kt expert     ... with --kt-expert-lora-path (every request gets the expert LoRA)
   kt mixed      ... --enable-lora with two composite adapters; requests cycle base / :a / :b
   kt int8 / kt int4 / kt fp8   "kt base" with --kt-expert-dtype int8 / int4 / fp8 (experts quantized at load)
@@ -264,6 +265,7 @@ def main(argv=None):
         "kt base": ([], {}, [model]),
         "kt moe off": (["--kt-moe", "off"], {}, [model]),
         "kt cpu ops off": (["--kt-cpu-ops", "off"], {}, [model]),
+        "kt torch attn": (["--attention-backend", "torch_native"], {}, [model]),
         "kt expert": (["--kt-expert-lora-path", str(expert)], {}, [model]),
         "kt mixed": (lora + ["--lora-paths", f"a={comp_a}", f"b={comp_b}"], {}, [model, f"{model}:a", f"{model}:b"]),
         **{f"kt {fmt}": (["--kt-expert-dtype", fmt], {}, [model]) for fmt in ("int8", "int4", "fp8")},
@@ -277,7 +279,10 @@ def main(argv=None):
             for name in names:
                 args, env, models = rows[name]
                 server = stack.enter_context(SGLangServer(
-                    model, args + ["--max-running-requests", str(max(a.streams)), "--sleep-on-idle"], env=env,
+                    # the KV pool is capped by max_total_tokens; a high static fraction only keeps SGLang's memory
+                    # check from refusing a second large server side by side (it counts the first one's RAM)
+                    model, args + ["--max-running-requests", str(max(a.streams)), "--sleep-on-idle",
+                                   "--mem-fraction-static", "0.95"], env=env,
                     max_total_tokens=8192, log_path=out / f"{name.replace(' ', '_')}.log"))
                 servers[name] = (server, models, PeakRSS(server.proc.pid))
                 loaded_rss[name] = servers[name][2].now()
