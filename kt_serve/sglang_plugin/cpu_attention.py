@@ -16,7 +16,6 @@ MHA / GQA cache. ``--attention-backend`` given by the user always wins.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -33,13 +32,9 @@ def add_choice() -> None:
 
 
 def _mla_model(model_path) -> bool:
-    import json
+    from .cpu_compat import local_model_config
 
-    try:
-        with open(os.path.join(model_path, "config.json")) as f:
-            config = json.load(f)
-    except (OSError, ValueError, TypeError):
-        return False
+    config = local_model_config(model_path) or {}
     return any(isinstance(c, dict) and c.get("kv_lora_rank") for c in (config, config.get("text_config")))
 
 

@@ -107,14 +107,22 @@ def mla_handler_torch_native(original, registry, backend_name):
     return lambda attn, forward_batch: AttnForwardMethod.MLA
 
 
-def _hybrid_linear_attention(model_path) -> bool:
-    """Whether a local checkpoint mixes linear-attention (GDN / Mamba) layers with full attention (Qwen3.5)."""
+def local_model_config(model_path) -> dict | None:
+    """A local checkpoint's config.json, or None (a hub id, or unreadable: SGLang reports that itself)."""
     import json
 
     try:
         with open(os.path.join(model_path, "config.json")) as f:
             config = json.load(f)
     except (OSError, ValueError, TypeError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def _hybrid_linear_attention(model_path) -> bool:
+    """Whether a local checkpoint mixes linear-attention (GDN / Mamba) layers with full attention (Qwen3.5)."""
+    config = local_model_config(model_path)
+    if config is None:
         return False
     text = config.get("text_config") or config
     return "linear_attention" in (text.get("layer_types") or []) or "full_attention_interval" in text
