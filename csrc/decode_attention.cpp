@@ -71,14 +71,18 @@ void decode_attention(int B, int Hq, int Hkv, int D, int Dv, const bf16* q, int6
   auto pool = global_pool();
   int64_t total = 0;
   for (int b = 0; b < B; ++b) total += std::max<int64_t>(seq_lens[b], 0);
-  // Slices long enough to amortise their merge, short enough that there are a few per thread.
-  const int64_t target = 4 * static_cast<int64_t>(pool->num_threads());
-  const int slice = static_cast<int>(std::clamp<int64_t>((total + target - 1) / target, kMinSlice, kMaxSlice));
+  // Slices long enough to amortise their merge, short enough that a request alone has two per thread. They depend
+  // on the request's own length only, never on the rest of the batch: a request's output (and so a greedy token)
+  // is the same whichever requests it is batched with.
+  const int64_t per_request = 2 * static_cast<int64_t>(pool->num_threads());
   std::vector<Slice> slices;
   std::vector<int> first(B + 1);  // the slices of request b: [first[b], first[b + 1])
   for (int b = 0; b < B; ++b) {
     first[b] = static_cast<int>(slices.size());
     const int len = static_cast<int>(std::max<int64_t>(seq_lens[b], 0));
+    const int64_t even = (len + per_request - 1) / per_request;
+    const int slice = static_cast<int>(std::clamp<int64_t>((even + kMinSlice - 1) / kMinSlice * kMinSlice, kMinSlice,
+                                                           kMaxSlice));
     for (int j0 = 0; j0 < len; j0 += slice) slices.push_back({b, j0, std::min(len, j0 + slice)});
   }
   first[B] = static_cast<int>(slices.size());

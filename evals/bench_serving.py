@@ -20,7 +20,7 @@ after row, --repeats times, the median run kept, so a slow drift of the machine 
   sglang        SGLang without our plugin (SGLANG_PLUGINS excludes it): its per-expert torch loop
   kt base       routed experts in the kt_serve kernel, no adapter (on a CPU host the dense layers and lm_head too)
   kt cpu ops off  "kt base" with --kt-cpu-ops off: dense layers, lm_head, RMSNorm and attention as SGLang runs them
-  kt torch attn "kt base" with --attention-backend torch_native: SGLang's attention instead of the plugin's kt_cpu
+  kt cpu attn   "kt base" with --attention-backend kt_cpu: decode attention on the plugin's C++ backend
   kt expert     ... with --kt-expert-lora-path (every request gets the expert LoRA)
   kt mixed      ... --enable-lora with two composite adapters; requests cycle base / :a / :b
   kt int8 / kt int4 / kt fp8   "kt base" with --kt-expert-dtype int8 / int4 / fp8 (experts quantized at load)
@@ -265,7 +265,7 @@ def main(argv=None):
         "kt base": ([], {}, [model]),
         "kt moe off": (["--kt-moe", "off"], {}, [model]),
         "kt cpu ops off": (["--kt-cpu-ops", "off"], {}, [model]),
-        "kt torch attn": (["--attention-backend", "torch_native"], {}, [model]),
+        "kt cpu attn": (["--attention-backend", "kt_cpu"], {}, [model]),
         "kt expert": (["--kt-expert-lora-path", str(expert)], {}, [model]),
         "kt mixed": (lora + ["--lora-paths", f"a={comp_a}", f"b={comp_b}"], {}, [model, f"{model}:a", f"{model}:b"]),
         **{f"kt {fmt}": (["--kt-expert-dtype", fmt], {}, [model]) for fmt in ("int8", "int4", "fp8")},

@@ -87,3 +87,18 @@ def test_bad_input_is_refused_with_the_field_named():
         decode_attention(q[:, :2], k.float(), v, req_to_token, idx, lens, 0.25)
     with pytest.raises(ValueError, match="out of req_to_token"):
         decode_attention(q[:, :2], k, v, req_to_token, idx, lens + 100, 0.25)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_request_gets_the_same_bits_whatever_it_is_batched_with(isa):
+    """Greedy serving must not depend on batching: the context slices the work is split into follow each request's
+    own length, so its output is bit-identical alone (one short request: the calling thread only) and in a batch
+    (threads, other requests' slices)."""
+    gen = torch.Generator().manual_seed(11)
+    lengths = [45, 3000, 700, 1, 129]
+    k, v, req_to_token, idx, lens = paged_cache(lengths, 4, 128, 128, gen=gen)
+    q = torch.randn(len(lengths), 32, 128, generator=gen).bfloat16()
+    together = decode_attention(q, k, v, req_to_token, idx, lens, 128 ** -0.5, isa=isa)
+    for b in range(len(lengths)):
+        alone = decode_attention(q[b:b + 1], k, v, req_to_token, idx[b:b + 1], lens[b:b + 1], 128 ** -0.5, isa=isa)
+        assert torch.equal(alone[0], together[b]), b

@@ -105,7 +105,9 @@ def concurrent_equals_sequential(run, jobs) -> dict:
 @pytest.fixture(scope="module")
 def server_q3(qwen3):
     model, adapters, _, _ = qwen3
-    args = LORA_ARGS + ["--lora-paths", f"both={adapters['both']}", f"attn={adapters['attn']}"]
+    # decode attention on the plugin's kt_cpu backend (opt-in): every served-vs-reference test of this server runs it
+    args = LORA_ARGS + ["--lora-paths", f"both={adapters['both']}", f"attn={adapters['attn']}",
+                        "--attention-backend", "kt_cpu"]
     with SGLangServer(model, args) as server:
         yield server
 
@@ -267,15 +269,12 @@ def test_mismatched_expert_adapter_refused_at_start(qwen3, workdir):
 
 def test_cpu_ops_run_on_the_kernel(server_q3):
     """On a CPU host the plugin runs the bf16 linear layers, lm_head (sglang_plugin/dense_linear.py) and RMSNorm
-    (cpu_norm.py) on the kernel, and without AMX decode attention too (cpu_attention.py, chosen by default where
-    SGLang would run torch_native): every served-vs-reference test above went through them."""
-    from sglang.srt.utils.common import cpu_has_amx_support
-
+    (cpu_norm.py) on the kernel, and decode attention with --attention-backend kt_cpu (cpu_attention.py): every
+    served-vs-reference test above went through them."""
     log = server_q3.log_tail(100000)
     assert "dense layers (linear and lm_head) on the kt_serve kernel" in log, log[-3000:]
     assert "RMSNorm on the kt_serve kernel" in log, log[-3000:]
-    if not cpu_has_amx_support():  # with AMX SGLang's own intel_amx attention runs
-        assert "decode attention on the kt_serve kernel (attention backend kt_cpu" in log, log[-3000:]
+    assert "decode attention on the kt_serve kernel (attention backend kt_cpu" in log, log[-3000:]
     released = re.search(r"([0-9.]+) MiB of torch weights released", log)  # the tests above ran without them
     assert released and float(released.group(1)) > 0, log[-3000:]
 

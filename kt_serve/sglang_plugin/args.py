@@ -35,9 +35,8 @@ FLAGS = [
      dict(type=int, default=128, help="kt_serve: K values per int4 scale (a multiple of 64; default 128)")),
     ("--kt-cpu-ops", "cpu_ops",
      dict(choices=["auto", "on", "off"], default="auto",
-          help="kt_serve: on a CPU host, run the bf16 linear layers (attention, shared experts, router), lm_head, "
-               "RMSNorm and (without AMX, as --attention-backend kt_cpu) decode attention on the kt_serve kernel "
-               "('auto', default: with --kt-moe on)")),
+          help="kt_serve: on a CPU host, run the bf16 linear layers (attention, shared experts, router), lm_head "
+               "and RMSNorm on the kt_serve kernel ('auto', default: with --kt-moe on)")),
     ("--kt-lora-cache-dir", "lora_cache_dir",
      dict(default=None, help="kt_serve: where composite adapters are split (default: a per-user temp dir)")),
 ]
@@ -70,17 +69,6 @@ def _flag_values(namespace: argparse.Namespace) -> dict:
                 values[dest] = getattr(namespace, attr)
                 break
     return values
-
-
-def default_attention_backend_hook(*args, **kwargs):
-    """BEFORE ServerArgs.from_cli_args(namespace): the kt_cpu attention backend by default where it applies
-    (cpu_attention.py), set on the namespace so SGLang resolves it like a user's --attention-backend."""
-    namespace = _namespace(args, kwargs)
-    if namespace is not None:
-        from .cpu_attention import default_on_cpu
-
-        default_on_cpu(namespace, KTServeConfig(**_flag_values(namespace)).cpu_ops_enabled)
-    return None
 
 
 def from_cli_args_hook(server_args, *args, **kwargs):

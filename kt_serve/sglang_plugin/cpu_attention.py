@@ -3,14 +3,16 @@
 SGLang's CPU default without AMX is its torch_native backend, which decodes with a Python loop over the batch's
 requests: per request a gather of its K and V rows out of the paged pool and one SDPA call, per layer. This
 backend is that one with ``forward_decode`` replaced: the whole batch, every head and every cached token read in
-place from the pool, threads over (request, KV head, slice of the context). Extend batches (prefill, radix-cache
-hits, chunked prefill) keep torch_native's SDPA path, and so do the layer kinds the kernel does not cover (cross
-attention, sliding windows, logit capping, a KV cache that is not bf16), so every layer computes what it would
-with torch_native.
+place from the pool, threads over (request, slice of the context) with every head of a slot at once; the same
+attention as torch_native up to fp32 summation order. Extend batches (prefill, radix-cache hits, chunked prefill)
+keep torch_native's SDPA path, and so do the layer kinds the kernel does not cover (cross attention, sliding
+windows, logit capping, a KV cache that is not bf16).
 
-Registered in SGLang's attention-backend registry in every scheduler; the launcher makes it the default with
-``--kt-cpu-ops`` on a CPU host without AMX (where SGLang itself would fall back to torch_native) for models with an
-MHA / GQA cache. ``--attention-backend`` given by the user always wins.
+Registered in SGLang's attention-backend registry in every scheduler of a CPU host, and chosen with
+``--attention-backend kt_cpu``. It is not yet the default: on one test model (tests/test_serving.py, the global
+expert adapter server) it changes a greedy step's logprob by 0.28 nats against the fp32 reference where
+torch_native stays within 0.02, most likely an MoE routing near-tie tipped by the last bf16 bit of the attention
+output (the reference has routing margins below 3e-3 there), which is not yet shown.
 """
 
 from __future__ import annotations
@@ -29,29 +31,6 @@ def add_choice() -> None:
 
     if NAME not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([NAME])
-
-
-def _mla_model(model_path) -> bool:
-    from .cpu_compat import local_model_config
-
-    config = local_model_config(model_path) or {}
-    return any(isinstance(c, dict) and c.get("kv_lora_rank") for c in (config, config.get("text_config")))
-
-
-def default_on_cpu(namespace, cpu_ops_enabled: bool) -> None:
-    """Before ServerArgs is built from the CLI namespace: pick kt_cpu where SGLang would run torch_native."""
-    from .cpu_compat import cpu_only_host
-
-    if not cpu_ops_enabled or not cpu_only_host():
-        return
-    if any(getattr(namespace, f, None) for f in ("attention_backend", "prefill_attention_backend",
-                                                  "decode_attention_backend")):
-        return  # the user's choice
-    from sglang.srt.utils.common import cpu_has_amx_support
-
-    if cpu_has_amx_support() or _mla_model(getattr(namespace, "model_path", None)):
-        return  # SGLang's intel_amx kernels; MLA's latent cache is not a per-head K / V pool
-    namespace.attention_backend = NAME
 
 
 def register_backend() -> None:
