@@ -27,7 +27,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_kernel import l3_bytes, measure_bandwidth_gbs  # noqa: E402
+from bench_kernel import cpu_model, l3_bytes, measure_bandwidth_gbs  # noqa: E402
 
 from kt_serve.dense import PackedLinear  # noqa: E402
 from kt_serve.kernel import cpu_isa, num_threads, set_num_threads  # noqa: E402
@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     set_num_threads(args.threads)
     torch.set_num_threads(num_threads())
     bw = measure_bandwidth_gbs()
-    print(f"kt_serve dense bench: {num_threads()} threads, isa {cpu_isa()}, torch {torch.__version__}, "
+    print(f"kt_serve dense bench on {cpu_model()}: {num_threads()} threads, isa {cpu_isa()}, torch {torch.__version__}, "
           f"read bandwidth {bw:.1f} GB/s (fp32 sum over 1 GiB)", flush=True)
     g = torch.Generator().manual_seed(0)
     table = []

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
+import os
 import statistics
 import sys
 import time
@@ -25,6 +25,8 @@ share_cores_with_torch()  # as the plugin does for the server; before torch load
 
 import torch  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_kernel import cpu_model  # noqa: E402
 from kt_serve.sglang_plugin.qwen35_ops import install_qwen35_cpu_ops, rms_norm_gated  # noqa: E402
 
 HK, HV, D, WIDTH = 16, 32, 128, 4
@@ -32,17 +34,6 @@ CONV_DIM = 2 * HK * D + HV * D
 ATTN_HEADS, ATTN_KV, ATTN_D = 16, 2, 256
 GDN_LAYERS = 30
 BF = torch.bfloat16
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def timeit(fn, budget_s=0.6, min_reps=5, max_reps=200):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import sys
 import tempfile
@@ -78,6 +79,18 @@ def measure_gemm_peak_gflops() -> tuple[float, str]:
         gflops = 2 * 512 * 2048 * 1536 / (min(timeit(lambda: a @ b, 10)) / 1e3) / 1e9
         best = max(best, (gflops, str(dtype).removeprefix("torch.")))
     return best
+
+
+def cpu_model() -> str:
+    """This CPU's model name, as every benchmark's header names it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def l3_bytes() -> int:
@@ -274,7 +287,7 @@ def main(argv=None) -> int:
     }
     lora_obj = ExpertLoRA(**lora, alpha=alpha)
 
-    print(f"kt_serve kernel bench: H={H} I={I} E={E} top-{k} r={r}, {threads} threads, isa={','.join(isas)} "
+    print(f"kt_serve kernel bench on {cpu_model()}: H={H} I={I} E={E} top-{k} r={r}, {threads} threads, isa={','.join(isas)} "
           f"(auto = {cpu_isa()}), "
           f"{L} layers cycled, torch {torch.__version__}", flush=True)
     load = os.getloadavg()[0]

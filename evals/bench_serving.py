@@ -20,7 +20,7 @@ after row, --repeats times, the median run kept, so a slow drift of the machine 
   sglang        SGLang without our plugin (SGLANG_PLUGINS excludes it): its per-expert torch loop
   kt base       routed experts in the kt_serve kernel, no adapter (on a CPU host the dense layers and lm_head too)
   kt cpu ops off  "kt base" with --kt-cpu-ops off: dense layers, lm_head, RMSNorm and attention as SGLang runs them
-  kt cpu attn   "kt base" with --attention-backend kt_cpu: decode attention on the plugin's C++ backend
+  kt torch attn "kt base" with --attention-backend torch_native: SGLang's attention instead of the plugin's kt_cpu
   kt expert     ... with --kt-expert-lora-path (every request gets the expert LoRA)
   kt mixed      ... --enable-lora with two composite adapters; requests cycle base / :a / :b
   kt int8 / kt int4 / kt fp8   "kt base" with --kt-expert-dtype int8 / int4 / fp8 (experts quantized at load)
@@ -58,12 +58,14 @@ from kt_serve.cpu_threads import TORCH_OMP_SPIN, share_cores_with_torch
 USER_ENV = {TORCH_OMP_SPIN[0]: os.environ.get(TORCH_OMP_SPIN[0])}
 share_cores_with_torch()
 
+from kt_serve.kernel import cpu_isa  # noqa: E402
 from kt_serve.server import SGLangServer  # noqa: E402
 from kt_serve.tiny_model import FAMILIES, build_tiny_moe  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from serving_reference import write_expert_peft_adapter, write_kt_adapter  # noqa: E402
+from evals.bench_kernel import cpu_model  # noqa: E402
 from evals.report import write_report  # noqa: E402
 
 
@@ -265,7 +267,7 @@ def main(argv=None):
         "kt base": ([], {}, [model]),
         "kt moe off": (["--kt-moe", "off"], {}, [model]),
         "kt cpu ops off": (["--kt-cpu-ops", "off"], {}, [model]),
-        "kt cpu attn": (["--attention-backend", "kt_cpu"], {}, [model]),
+        "kt torch attn": (["--attention-backend", "torch_native"], {}, [model]),
         "kt expert": (["--kt-expert-lora-path", str(expert)], {}, [model]),
         "kt mixed": (lora + ["--lora-paths", f"a={comp_a}", f"b={comp_b}"], {}, [model, f"{model}:a", f"{model}:b"]),
         **{f"kt {fmt}": (["--kt-expert-dtype", fmt], {}, [model]) for fmt in ("int8", "int4", "fp8")},
@@ -316,7 +318,8 @@ def main(argv=None):
                          "rss_after_load_gib": round(loaded / 2**30, 2), "peak_rss_gib": round(rss / 2**30, 2)})
     heads = "4 q / 2 kv heads" if a.heads is None else f"{a.heads[0]} q / {a.heads[1]} kv heads of {a.heads[2]}"
     desc = (f"preset {a.preset} ({a.family}): hidden {a.hidden}, {heads}, moe_intermediate {a.moe_intermediate}, {a.experts} experts "
-            f"top-{a.top_k}, {a.layers} layers, vocab {a.vocab}; {a.tokens} tokens per stream; {os.cpu_count()} CPUs; "
+            f"top-{a.top_k}, {a.layers} layers, vocab {a.vocab}; {a.tokens} tokens per stream; {cpu_model()}, "
+            f"{os.cpu_count()} CPUs, kernel isa {cpu_isa()}; "
             f"servers {'one at a time' if a.sequential else 'side by side, measured in turns'}")
     print("\n" + desc)
     keys = list(rows[0])

@@ -13,7 +13,7 @@ import torch
 
 from kt_serve import _kernel
 
-__all__ = ["decode_attention", "MAX_HEAD_DIM"]
+__all__ = ["decode_attention", "run_decode_attention", "MAX_HEAD_DIM"]
 
 MAX_HEAD_DIM = 1024  # csrc/kernels.h kMaxHeadDim
 
@@ -62,8 +62,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"out must be bf16 [{B}, {Hq}, {Dv}] with contiguous heads, got {out.dtype} "
                          f"{tuple(out.shape)} strides {out.stride()}")
     if B:
-        _kernel.decode_attention(B, Hq, Hkv, D, Dv, q.data_ptr(), q.stride(0), k_cache.data_ptr(), k_cache.stride(0),
-                                 v_cache.data_ptr(), v_cache.stride(0), req_to_token.data_ptr(),
-                                 req_to_token.stride(0), idx.data_ptr(), lens.data_ptr(), float(scale),
-                                 out.data_ptr(), out.stride(0), isa)
+        run_decode_attention(q, k_cache, v_cache, req_to_token, idx, lens, scale, out, isa)
     return out
+
+
+def run_decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, out,
+                         isa: str = "auto") -> None:
+    """The kernel call itself, without :func:`decode_attention`'s checks: for a caller (the serving backend, once
+    per layer) whose tensors already have the layout, dtypes and bounds those checks ask for; ``req_pool_indices``
+    and ``seq_lens`` contiguous int64, ``out`` allocated."""
+    B, Hq, D = q.shape
+    Hkv, Dv = k_cache.shape[1], v_cache.shape[2]
+    _kernel.decode_attention(B, Hq, Hkv, D, Dv, q.data_ptr(), q.stride(0), k_cache.data_ptr(), k_cache.stride(0),
+                             v_cache.data_ptr(), v_cache.stride(0), req_to_token.data_ptr(), req_to_token.stride(0),
+                             req_pool_indices.data_ptr(), seq_lens.data_ptr(), float(scale), out.data_ptr(),
+                             out.stride(0), isa)

@@ -102,3 +102,13 @@ def test_a_request_gets_the_same_bits_whatever_it_is_batched_with(isa):
     for b in range(len(lengths)):
         alone = decode_attention(q[b:b + 1], k, v, req_to_token, idx[b:b + 1], lens[b:b + 1], 128 ** -0.5, isa=isa)
         assert torch.equal(alone[0], together[b]), b
+
+
+def test_an_mla_model_is_refused_with_the_backend_to_use():
+    """kt_cpu reads per-head K/V pools; an MLA latent cache would be misread, so the backend refuses it at start."""
+    from types import SimpleNamespace
+
+    from kt_serve.sglang_plugin.cpu_attention import create_backend
+
+    with pytest.raises(ValueError, match="MLA latent cache is served with --attention-backend torch_native"):
+        create_backend(SimpleNamespace(use_mla_backend=True))

@@ -22,6 +22,11 @@ TOL = 0.02  # nats; bf16 serving vs fp32 reference (notes: 0.001-0.013 observed)
 MIN_EFFECT = 5 * TOL  # an adapter must move some logprob by far more than the tolerance, else a no-op would pass
 PROMPT_LEN = 5
 MAX_TOKENS = 6
+# Routing near-ties: where the reference's last chosen and first rejected expert probabilities are closer than this,
+# the bf16 server may pick the other expert and the two stop being the same computation. Measured: a margin of
+# 1.22e-3 (layer 0, the 8th token of the global-expert test) was tipped by the rounding of a bf16 attention output,
+# and the fp32 reference with that one choice flipped matched all six served logprobs within 0.009 nats.
+TIE_MARGIN = 2e-3
 LORA_ARGS = ["--enable-lora", "--lora-backend", "torch_native", "--max-loras-per-batch", "4",
              "--max-running-requests", "8"]
 
@@ -46,7 +51,7 @@ def qwen3(workdir):
     return model, adapters, ref, pick_prompts(ref, sets)
 
 
-def pick_prompts(ref, adapter_sets, n=3, seed=0, tie_margin=1e-3):
+def pick_prompts(ref, adapter_sets, n=3, seed=0, tie_margin=TIE_MARGIN):
     """Prompts whose routing has no reference near-tie (closer than ``tie_margin``) under any of the adapter sets
     (see logprobs_and_routing): past a near-tie the bf16 server may route differently, so such a prompt would leave
     nothing to compare."""
@@ -74,7 +79,7 @@ def complete(server, model: str, prompt: list[int], max_tokens: int = MAX_TOKENS
     return list(choice.token_ids), list(choice.logprobs.token_logprobs)
 
 
-def assert_matches_reference(ref, prompt, ids, logprobs, adapter_dirs, *, tie_margin=1e-3, min_compared=1):
+def assert_matches_reference(ref, prompt, ids, logprobs, adapter_dirs, *, tie_margin=TIE_MARGIN, min_compared=1):
     """Every served logprob predicted before the reference's first routing near-tie (closer than ``tie_margin``)
     is within TOL, and at least ``min_compared`` are. Returns the positions compared."""
     want, first_tie = ref.logprobs_and_routing(prompt + ids, len(prompt), adapter_dirs, tie_margin=tie_margin)
@@ -105,9 +110,7 @@ def concurrent_equals_sequential(run, jobs) -> dict:
 @pytest.fixture(scope="module")
 def server_q3(qwen3):
     model, adapters, _, _ = qwen3
-    # decode attention on the plugin's kt_cpu backend (opt-in): every served-vs-reference test of this server runs it
-    args = LORA_ARGS + ["--lora-paths", f"both={adapters['both']}", f"attn={adapters['attn']}",
-                        "--attention-backend", "kt_cpu"]
+    args = LORA_ARGS + ["--lora-paths", f"both={adapters['both']}", f"attn={adapters['attn']}"]
     with SGLangServer(model, args) as server:
         yield server
 
@@ -269,12 +272,15 @@ def test_mismatched_expert_adapter_refused_at_start(qwen3, workdir):
 
 def test_cpu_ops_run_on_the_kernel(server_q3):
     """On a CPU host the plugin runs the bf16 linear layers, lm_head (sglang_plugin/dense_linear.py) and RMSNorm
-    (cpu_norm.py) on the kernel, and decode attention with --attention-backend kt_cpu (cpu_attention.py): every
-    served-vs-reference test above went through them."""
+    (cpu_norm.py) on the kernel, and without AMX decode attention too (cpu_attention.py, chosen by default where
+    SGLang would run torch_native): every served-vs-reference test above went through them."""
+    from sglang.srt.utils.common import cpu_has_amx_support
+
     log = server_q3.log_tail(100000)
     assert "dense layers (linear and lm_head) on the kt_serve kernel" in log, log[-3000:]
     assert "RMSNorm on the kt_serve kernel" in log, log[-3000:]
-    assert "decode attention on the kt_serve kernel (attention backend kt_cpu" in log, log[-3000:]
+    if not cpu_has_amx_support():  # with AMX SGLang's own intel_amx attention runs
+        assert "decode attention on the kt_serve kernel (attention backend kt_cpu" in log, log[-3000:]
     released = re.search(r"([0-9.]+) MiB of torch weights released", log)  # the tests above ran without them
     assert released and float(released.group(1)) > 0, log[-3000:]
 

@@ -97,3 +97,31 @@ def test_offload_round_trip_logic_on_cpu(x_dtype, ids_dtype):
     ref = moe_lora_reference(x.bfloat16(), ids.long(), w.float(), gate, up, down, lora=lora.to_kt() | {"alpha": 8.0})
     assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
     assert torch.equal(y, method._forward_cpu(x, ids, w, 1))
+
+
+@pytest.mark.parametrize("given,cpu_ops,amx,mla,expected", [
+    ({}, True, False, False, "kt_cpu"),                                   # SGLang would fall back to torch_native
+    ({"attention_backend": "torch_native"}, True, False, False, "torch_native"),  # the user's choice stays
+    ({"decode_attention_backend": "torch_native"}, True, False, False, None),
+    ({}, False, False, False, None),                                       # --kt-cpu-ops off / --kt-moe off
+    ({}, True, True, False, None),                                         # AMX: SGLang's intel_amx kernels
+    ({}, True, False, True, None),                                         # MLA latent cache (DeepSeek)
+])
+def test_kt_cpu_attention_is_the_default_only_where_it_replaces_torch_native(tmp_path, monkeypatch, given, cpu_ops,
+                                                                              amx, mla, expected):
+    import argparse
+    import json
+
+    import sglang.srt.utils.common as common
+
+    from kt_serve.sglang_plugin import cpu_attention
+
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    monkeypatch.setattr(common, "cpu_has_amx_support", lambda: amx)
+    (tmp_path / "config.json").write_text(json.dumps({"kv_lora_rank": 512} if mla else {"num_key_value_heads": 4}))
+    ns = argparse.Namespace(model_path=str(tmp_path), attention_backend=None, prefill_attention_backend=None,
+                            decode_attention_backend=None)
+    for key, value in given.items():
+        setattr(ns, key, value)
+    cpu_attention.default_on_cpu(ns, cpu_ops)
+    assert ns.attention_backend == expected

@@ -12,7 +12,7 @@ import os
 from kt_serve.kernel_weights import WEIGHT_FORMATS
 
 from .config import KTServeConfig
-from .cpu_compat import split_cores_between_ranks
+from .cpu_compat import local_model_config, split_cores_between_ranks
 
 # (flag, dest, argparse kwargs); dest names equal KTServeConfig fields.
 FLAGS = [
@@ -35,8 +35,9 @@ FLAGS = [
      dict(type=int, default=128, help="kt_serve: K values per int4 scale (a multiple of 64; default 128)")),
     ("--kt-cpu-ops", "cpu_ops",
      dict(choices=["auto", "on", "off"], default="auto",
-          help="kt_serve: on a CPU host, run the bf16 linear layers (attention, shared experts, router), lm_head "
-               "and RMSNorm on the kt_serve kernel ('auto', default: with --kt-moe on)")),
+          help="kt_serve: on a CPU host, run the bf16 linear layers (attention, shared experts, router), lm_head, "
+               "RMSNorm and (without AMX, as --attention-backend kt_cpu) decode attention on the kt_serve kernel "
+               "('auto', default: with --kt-moe on)")),
     ("--kt-lora-cache-dir", "lora_cache_dir",
      dict(default=None, help="kt_serve: where composite adapters are split (default: a per-user temp dir)")),
 ]
@@ -58,10 +59,12 @@ def add_cli_args_hook(result, parser, *args, **kwargs):
 
 
 def _namespace(args, kwargs) -> argparse.Namespace | None:
+    """The parsed CLI namespace among a from_cli_args hook's arguments."""
     return next((a for a in list(args) + list(kwargs.values()) if isinstance(a, argparse.Namespace)), None)
 
 
 def _flag_values(namespace: argparse.Namespace) -> dict:
+    """Our flags' values on the namespace (under our dest, or under a fork's own name for the same flag)."""
     values = {}
     for flag, dest, _ in FLAGS:
         for attr in (f"kt_serve_{dest}", flag[2:].replace("-", "_")):
@@ -69,6 +72,17 @@ def _flag_values(namespace: argparse.Namespace) -> dict:
                 values[dest] = getattr(namespace, attr)
                 break
     return values
+
+
+def default_attention_backend_hook(*args, **kwargs):
+    """BEFORE ServerArgs.from_cli_args(namespace): the kt_cpu attention backend by default where it applies
+    (cpu_attention.py), set on the namespace so SGLang resolves it like a user's --attention-backend."""
+    namespace = _namespace(args, kwargs)
+    if namespace is not None:
+        from .cpu_attention import default_on_cpu
+
+        default_on_cpu(namespace, KTServeConfig(**_flag_values(namespace)).cpu_ops_enabled)
+    return None
 
 
 def from_cli_args_hook(server_args, *args, **kwargs):
@@ -111,14 +125,7 @@ UNSERVED_ARCHITECTURES = {
 
 def unsupported_architecture(model_path) -> str | None:
     """One line refusing a local checkpoint whose architecture SGLang would serve through its generic fallback."""
-    import json
-
-    try:
-        with open(os.path.join(model_path, "config.json")) as f:
-            architectures = json.load(f).get("architectures") or []
-    except (OSError, ValueError, TypeError):
-        return None
-    for arch in architectures:
+    for arch in (local_model_config(model_path) or {}).get("architectures") or []:
         if arch in UNSERVED_ARCHITECTURES:
             return f"kt_serve: {model_path} is {UNSERVED_ARCHITECTURES[arch]}"
     return None
@@ -126,14 +133,8 @@ def unsupported_architecture(model_path) -> str | None:
 
 def checkpoint_quantization(model_path: str):
     """(quant_method, its config dict, where it was found) of a local checkpoint, or None (bf16, or not local)."""
-    import json
-
-    if not model_path or not os.path.isdir(model_path):
-        return None
-    try:
-        with open(os.path.join(model_path, "config.json")) as f:
-            config = json.load(f)
-    except (OSError, ValueError):
+    config = local_model_config(model_path)
+    if config is None:
         return None
     for scope, cfg in (("", config), ("text_config.", config.get("text_config") or {})):
         for key in ("quantization_config", "compression_config"):

@@ -8,11 +8,9 @@ attention as torch_native up to fp32 summation order. Extend batches (prefill, r
 keep torch_native's SDPA path, and so do the layer kinds the kernel does not cover (cross attention, sliding
 windows, logit capping, a KV cache that is not bf16).
 
-Registered in SGLang's attention-backend registry in every scheduler of a CPU host, and chosen with
-``--attention-backend kt_cpu``. It is not yet the default: on one test model (tests/test_serving.py, the global
-expert adapter server) it changes a greedy step's logprob by 0.28 nats against the fp32 reference where
-torch_native stays within 0.02, most likely an MoE routing near-tie tipped by the last bf16 bit of the attention
-output (the reference has routing margins below 3e-3 there), which is not yet shown.
+Registered in SGLang's attention-backend registry in every scheduler of a CPU host; the launcher makes it the
+default with ``--kt-cpu-ops`` on a CPU host without AMX (where SGLang itself would fall back to torch_native) for
+models with an MHA / GQA cache. ``--attention-backend`` given by the user always wins.
 """
 
 from __future__ import annotations
@@ -31,6 +29,29 @@ def add_choice() -> None:
 
     if NAME not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([NAME])
+
+
+def _mla_model(model_path) -> bool:
+    from .cpu_compat import local_model_config
+
+    config = local_model_config(model_path) or {}
+    return any(isinstance(c, dict) and c.get("kv_lora_rank") for c in (config, config.get("text_config")))
+
+
+def default_on_cpu(namespace, cpu_ops_enabled: bool) -> None:
+    """Before ServerArgs is built from the CLI namespace: pick kt_cpu where SGLang would run torch_native."""
+    from .cpu_compat import cpu_only_host
+
+    if not cpu_ops_enabled or not cpu_only_host():
+        return
+    if any(getattr(namespace, f, None) for f in ("attention_backend", "prefill_attention_backend",
+                                                  "decode_attention_backend")):
+        return  # the user's choice
+    from sglang.srt.utils.common import cpu_has_amx_support
+
+    if cpu_has_amx_support() or _mla_model(getattr(namespace, "model_path", None)):
+        return  # SGLang's intel_amx kernels; MLA's latent cache is not a per-head K / V pool
+    namespace.attention_backend = NAME
 
 
 def register_backend() -> None:
@@ -64,6 +85,7 @@ def _backend_class():
     from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
     from kt_serve import _kernel
+    from kt_serve.attention import run_decode_attention
 
     class KTCPUAttnBackend(TorchNativeAttnBackend):
         def __init__(self, model_runner):
@@ -72,6 +94,7 @@ def _backend_class():
                 raise ValueError(f"kt_cpu attention reads an int32 req_to_token table, SGLang's is "
                                  f"{self.req_to_token_pool.req_to_token.dtype}")
             self._lens = self._idx = None
+            self._logged = set()
             logger.info("kt_serve: decode attention on the kt_serve kernel (attention backend kt_cpu, isa %s)",
                         _kernel.cpu_isa())
 
@@ -81,34 +104,44 @@ def _backend_class():
                 self._idx = forward_batch.req_pool_indices.to(torch.int64).contiguous()
                 self._lens = forward_batch.seq_lens.to(torch.int64).contiguous()
 
-        def _runs(self, layer, q, forward_batch) -> bool:
+        def _fallback_reason(self, layer, q, forward_batch) -> str | None:
+            """Why this layer's decode goes to torch_native, or None when the kernel runs it."""
             pool = self.token_to_kv_pool
-            return (q.dtype == torch.bfloat16 and not layer.is_cross_attention and layer.sliding_window_size == -1
-                    and not layer.logit_cap and forward_batch.encoder_lens is None
-                    and not self.use_sliding_window_kv_pool and self._idx is not None
-                    and self._idx.shape[0] == forward_batch.batch_size
-                    and _heads_contiguous(pool.get_key_buffer(layer.layer_id))
-                    and _heads_contiguous(pool.get_value_buffer(layer.layer_id)))
+            if q.dtype != torch.bfloat16:
+                return f"{q.dtype} queries"
+            if layer.is_cross_attention or forward_batch.encoder_lens is not None:
+                return "cross attention"
+            if layer.sliding_window_size != -1 or self.use_sliding_window_kv_pool:
+                return "a sliding window"
+            if layer.logit_cap:
+                return "logit capping"
+            if not (_heads_contiguous(pool.get_key_buffer(layer.layer_id))
+                    and _heads_contiguous(pool.get_value_buffer(layer.layer_id))):
+                return "a KV cache that is not bf16 [slots, heads, dim]"
+            if self._idx is None or self._idx.shape[0] != forward_batch.batch_size:
+                return "a decode batch without its step metadata"
+            return None
 
         def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-            if not self._runs(layer, q, forward_batch):
+            reason = self._fallback_reason(layer, q, forward_batch)
+            if reason is not None:
+                if reason not in self._logged:  # once per reason, not per layer and step
+                    self._logged.add(reason)
+                    logger.warning("kt_serve: kt_cpu attention leaves layer %d's decode to torch_native: %s",
+                                   layer.layer_id, reason)
                 return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
             if save_kv_cache and k is not None and v is not None:
                 self.token_to_kv_pool.set_kv_buffer(
                     layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v)
-            Hq, Hkv, D, Dv = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, layer.v_head_dim
-            q = q.reshape(-1, Hq * D)
-            if q.stride(-1) != 1:
+            Hq, D, Dv = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
+            q = q.reshape(-1, Hq, D)
+            if q.stride(-1) != 1 or q.stride(1) != D:
                 q = q.contiguous()
-            o = q.new_empty((q.shape[0], Hq * Dv))
-            k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
-            v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
-            r2t = self.req_to_token_pool.req_to_token
-            _kernel.decode_attention(q.shape[0], Hq, Hkv, D, Dv, q.data_ptr(), q.stride(0), k_cache.data_ptr(),
-                                     k_cache.stride(0), v_cache.data_ptr(), v_cache.stride(0), r2t.data_ptr(),
-                                     r2t.stride(0), self._idx.data_ptr(), self._lens.data_ptr(),
-                                     float(layer.scaling), o.data_ptr(), o.stride(0), "auto")
-            return o
+            o = q.new_empty((q.shape[0], Hq, Dv))
+            run_decode_attention(q, self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+                                 self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+                                 self.req_to_token_pool.req_to_token, self._idx, self._lens, layer.scaling, o)
+            return o.view(-1, Hq * Dv)
 
     _cls = KTCPUAttnBackend
     return _cls

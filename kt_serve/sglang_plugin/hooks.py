@@ -39,6 +39,7 @@ def register_hooks() -> None:
         cpu_attention.add_choice()
     HookRegistry.register(f"{SERVER_ARGS}.add_cli_args", args.add_cli_args_hook, HookType.AFTER)
     HookRegistry.register(f"{SERVER_ARGS}.from_cli_args", cpu_compat.hybrid_cache_on_cpu, HookType.BEFORE)
+    HookRegistry.register(f"{SERVER_ARGS}.from_cli_args", args.default_attention_backend_hook, HookType.BEFORE)
     HookRegistry.register(f"{SERVER_ARGS}.from_cli_args", args.from_cli_args_hook, HookType.AFTER)
     if multiprocessing.parent_process() is None:
         return  # launcher / tokenizer process
