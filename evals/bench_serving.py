@@ -1,6 +1,6 @@
 """Serving benchmark: decode tok/s and peak server RSS, kt_serve plugin vs SGLang's own CPU MoE path, one run.
 
-    python evals/bench_serving.py [--out DIR] [--preset small|qwen3-30b-a3b|qwen3_5-moe] [--family F] [--layers N] [--tokens 64] [--streams 1 8]
+    python evals/bench_serving.py [--out DIR] [--preset small|qwen3-30b-a3b|qwen3_5-moe] [--family F] [--layers N] [--tokens 64] [--streams 1 8] [--llama-server PATH]
                                   [--hidden H --moe-intermediate I --experts E --top-k K --vocab V]
 
 Presets (single flags override them):
@@ -24,8 +24,14 @@ after row, --repeats times, the median run kept, so a slow drift of the machine 
   kt expert     ... with --kt-expert-lora-path (every request gets the expert LoRA)
   kt mixed      ... --enable-lora with two composite adapters; requests cycle base / :a / :b
   kt int8 / kt int4 / kt fp8   "kt base" with --kt-expert-dtype int8 / int4 / fp8 (experts quantized at load)
-Decode tok/s = completion tokens / wall time of N concurrent greedy streams (ignore_eos); ratios are against the
-"kt base" and "sglang" rows of the same run. Latency: p50/p90/p99 of request latency and of per-token time
+  llama.cpp base / expert / mixed   llama-server (-t = the kernel's threads, -np = the most streams) on the same
+                weights as a BF16 GGUF and the same adapters as GGUF LoRAs (llama.cpp's own converters; the
+                composite ones through kt_serve.convert's merged PEFT adapter), chosen per request by the ``lora``
+                field, the same prompts as token ids (evals/llamacpp.py; --llama-server or built from the
+                llama-cpp-python sdist; the rows are skipped, with one line saying why, when it cannot be had)
+Decode tok/s = completion tokens / wall time of N concurrent greedy streams (ignore_eos, no prompt cache); ratios
+are against the "kt base", "sglang" and llama.cpp rows of the same run (kt base/expert/mixed against llama.cpp
+base/expert/mixed). Prefill tok/s: one 512-token prompt, one output token, median of three prompts per turn. Latency: p50/p90/p99 of request latency and of per-token time
 (request latency / completion tokens). Peak RSS sums every process of the server's session; "RSS after load" is
 the same sum once the server is ready, before any request (the weights as served, no bf16 copy left behind).
 Writes OUT/bench_serving.{json,md,png} (evals/report.py) besides printing the table.
@@ -58,7 +64,7 @@ from kt_serve.cpu_threads import TORCH_OMP_SPIN, share_cores_with_torch
 USER_ENV = {TORCH_OMP_SPIN[0]: os.environ.get(TORCH_OMP_SPIN[0])}
 share_cores_with_torch()
 
-from kt_serve.kernel import cpu_isa  # noqa: E402
+from kt_serve.kernel import cpu_isa, num_threads  # noqa: E402
 from kt_serve.server import SGLangServer  # noqa: E402
 from kt_serve.tiny_model import FAMILIES, build_tiny_moe  # noqa: E402
 
@@ -66,7 +72,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from serving_reference import write_expert_peft_adapter, write_kt_adapter  # noqa: E402
 from evals.bench_kernel import cpu_model  # noqa: E402
+from evals.llamacpp import LlamaCpp, LlamaCppUnavailable, LlamaServer  # noqa: E402
 from evals.report import write_report  # noqa: E402
+
+LLAMA_ROWS = ("llama.cpp base", "llama.cpp expert", "llama.cpp mixed")
+LLAMA_PEER = {"kt base": "llama.cpp base", "kt expert": "llama.cpp expert", "kt mixed": "llama.cpp mixed"}
 
 
 class PeakRSS:
@@ -110,16 +120,18 @@ def stream_prompt(i: int, length: int = 32, vocab: int = 1000) -> list[int]:
     return [3 + (i * 7919 + j * 104729) % (vocab - 3) for j in range(length)]
 
 
-def decode_run(server, models: list[str], streams: int, tokens: int, rounds: int = 2) -> dict:
-    """`rounds` waves of `streams` concurrent greedy requests; tok/s over the waves and latency percentiles."""
-    body = lambda i: {"model": models[i % len(models)], "prompt": stream_prompt(i), "max_tokens": tokens,  # noqa: E731
-                      "temperature": 0, "ignore_eos": True}
+def decode_run(server, requests: list[dict], streams: int, tokens: int, rounds: int = 2) -> dict:
+    """`rounds` waves of `streams` concurrent greedy requests; tok/s over the waves and latency percentiles.
+    Stream i's request adds requests[i % len(requests)] to the body: the adapter it asks for (SGLang's ``model``,
+    llama.cpp's ``lora``)."""
+    body = lambda i: {"prompt": stream_prompt(i), "max_tokens": tokens, "temperature": 0, "ignore_eos": True,  # noqa: E731
+                      "cache_prompt": False, **requests[i % len(requests)]}
 
     def one(i):
         t0 = time.perf_counter()
         status, r = server.post("/v1/completions", body(i), timeout=600)
         if status != 200:
-            raise RuntimeError(f"request for {models[i % len(models)]} failed: HTTP {status} {r}")
+            raise RuntimeError(f"request {requests[i % len(requests)]} failed: HTTP {status} {r}")
         return r["usage"]["completion_tokens"], time.perf_counter() - t0
 
     one(0)  # warm-up
@@ -134,6 +146,34 @@ def decode_run(server, models: list[str], streams: int, tokens: int, rounds: int
     return {"tok_s": sum(n for n, _ in results) / wall,
             "lat_p50_s": percentile(lat, 50), "lat_p90_s": percentile(lat, 90), "lat_p99_s": percentile(lat, 99),
             "ms_per_tok_p50": statistics.median(per_tok), "ms_per_tok_p99": percentile(per_tok, 99)}
+
+
+def greedy_texts(server, requests: list[dict], tokens: int = 16) -> list[str]:
+    """The greedy completion of stream i's prompt for each of the row's requests: what another server on the same
+    weights and adapters must also answer (a check that the llama.cpp rows run the same model)."""
+    texts = []
+    for i, extra in enumerate(requests):
+        status, r = server.post("/v1/completions", {"prompt": stream_prompt(i), "max_tokens": tokens, "temperature": 0,
+                                                    "ignore_eos": True, "cache_prompt": False, **extra}, timeout=600)
+        if status != 200:
+            raise RuntimeError(f"request {extra} failed: HTTP {status} {r}")
+        texts.append(r["choices"][0]["text"])
+    return texts
+
+
+def prefill_run(server, requests: list[dict], length: int = 512, runs: int = 3) -> float:
+    """Prompt tok/s of one `length`-token request (first adapter of the row, one output token), median of `runs`
+    prompts that share no prefix with each other or with the decode prompts (no cache hit on either server)."""
+    rates = []
+    for run in range(runs):
+        prompt = [3 + (run * 15485863 + j * 7907 + 11) % 997 for j in range(length)]
+        t0 = time.perf_counter()
+        status, r = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 1, "temperature": 0,
+                                                    "cache_prompt": False, **requests[0]}, timeout=600)
+        if status != 200:
+            raise RuntimeError(f"prefill request failed: HTTP {status} {r}")
+        rates.append(length / (time.perf_counter() - t0))
+    return statistics.median(rates)
 
 
 def moe_layer_bench(a, rounds: int = 5) -> list[dict]:
@@ -205,6 +245,29 @@ def moe_layer_bench(a, rounds: int = 5) -> list[dict]:
     return rows
 
 
+def llama_cpp_models(out: Path, model: str, expert: Path, comp_a: Path, comp_b: Path, llama_server: str | None):
+    """(llama.cpp, BF16 GGUF of the model, GGUF LoRAs [expert, a, b]) by llama.cpp's own converters; the KT SFT
+    outputs a and b go through kt_serve.convert's merged PEFT adapter first. None, after one line saying why,
+    when llama.cpp cannot be had or cannot read the model."""
+    from kt_serve.formats import convert_adapter
+
+    try:
+        llama = LlamaCpp.locate(llama_server)
+        gguf = llama.convert_model(Path(model), out / "model-bf16.gguf")
+        adapters = []
+        for name, adapter in (("expert", expert), ("a", comp_a), ("b", comp_b)):
+            peft = adapter
+            if name != "expert":
+                peft = out / f"{name}_merged"
+                if not peft.is_dir():
+                    convert_adapter(adapter, merged_dir=peft)
+            adapters.append(llama.convert_adapter(peft, Path(model), out / f"lora-{name}.gguf"))
+    except LlamaCppUnavailable as e:
+        print(f"llama.cpp rows skipped: {e}", flush=True)
+        return None
+    return llama, gguf, adapters
+
+
 # name: model shape (attention as (q heads, kv heads, head dim); None: the tiny model's 4 / 2 of hidden/4), and
 # whether its servers must run one at a time.
 PRESETS = {
@@ -232,7 +295,10 @@ def main(argv=None):
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--repeats", type=int, default=3, help="turns of every row at every stream count (median kept)")
     ap.add_argument("--rows", nargs="+", default=None,
-                    help="default: sglang, kt base, kt expert, kt mixed (qwen3_5-moe: kt moe off for sglang)")
+                    help="default: sglang, kt base, kt expert, kt mixed (qwen3_5-moe: kt moe off for sglang), "
+                         "llama.cpp base, llama.cpp expert, llama.cpp mixed")
+    ap.add_argument("--llama-server", default=None,
+                    help="llama-server binary for the llama.cpp rows (default: on PATH, else built; see evals/llamacpp.py)")
     ap.add_argument("--moe-only", action="store_true", help="only the in-process MoE-layer comparison")
     a = ap.parse_args(argv)
     preset = PRESETS[a.preset]
@@ -241,7 +307,7 @@ def main(argv=None):
             setattr(a, key, value)
     qwen35 = a.family == "qwen3_5_moe"
     if a.rows is None:
-        a.rows = ["kt moe off" if qwen35 else "sglang", "kt base", "kt expert", "kt mixed"]
+        a.rows = ["kt moe off" if qwen35 else "sglang", "kt base", "kt expert", "kt mixed", *LLAMA_ROWS]
     out = Path(a.out or tempfile.mkdtemp(prefix="kt_bench_"))
     moe_rows = moe_layer_bench(a)
     if a.moe_only:
@@ -261,6 +327,11 @@ def main(argv=None):
         expert = write_expert_peft_adapter(out / "expert", model, seed=1, rank=8, alpha=16.0)
         comp_a = write_kt_adapter(out / "a", model, seed=2, rank=8, alpha=16.0)
         comp_b = write_kt_adapter(out / "b", model, seed=3, rank=8, alpha=16.0)
+    llama_rows = [name for name in a.rows if name in LLAMA_ROWS]
+    if llama_rows:
+        llama = llama_cpp_models(out, model, expert, comp_a, comp_b, a.llama_server)
+        if llama is None:
+            a.rows = [name for name in a.rows if name not in LLAMA_ROWS]
     lora = ["--enable-lora", "--lora-backend", "torch_native", "--max-loras-per-batch", "4"]
     rows = {
         "sglang": ([], {"SGLANG_PLUGINS": "none", **USER_ENV}, [model]),
@@ -272,6 +343,25 @@ def main(argv=None):
         "kt mixed": (lora + ["--lora-paths", f"a={comp_a}", f"b={comp_b}"], {}, [model, f"{model}:a", f"{model}:b"]),
         **{f"kt {fmt}": (["--kt-expert-dtype", fmt], {}, [model]) for fmt in ("int8", "int4", "fp8")},
     }
+    requests = {name: [{"model": m} for m in models] for name, (_, _, models) in rows.items()}
+    # llama.cpp: adapters 0 (expert), 1 (a), 2 (b) loaded at scale 0; a request's lora field turns its own on
+    on = lambda i: {"lora": [{"id": i, "scale": 1.0}]}  # noqa: E731
+    requests.update({"llama.cpp base": [{}], "llama.cpp expert": [on(0)], "llama.cpp mixed": [{}, on(1), on(2)]})
+
+    def start(stack, name):
+        log = out / f"{name.replace(' ', '_')}.log"
+        if name in LLAMA_ROWS:
+            binary, gguf, adapters = llama
+            return stack.enter_context(LlamaServer(binary, gguf, adapters if name != "llama.cpp base" else [],
+                                                   threads=num_threads(),
+                                                   parallel=max(a.streams), ctx_per_slot=1024, log_path=log))
+        args, env, _ = rows[name]
+        # the KV pool is capped by max_total_tokens; a high static fraction only keeps SGLang's memory check
+        # from refusing a second large server side by side (it counts the first one's RAM)
+        return stack.enter_context(SGLangServer(
+            model, args + ["--max-running-requests", str(max(a.streams)), "--sleep-on-idle",
+                           "--mem-fraction-static", "0.95"], env=env, max_total_tokens=8192, log_path=log))
+
     def measure(names: list[str]) -> dict:
         """The servers of ``names`` up together (idle ones sleep, --sleep-on-idle), measured in turns."""
         measured = {}
@@ -279,40 +369,42 @@ def main(argv=None):
         with contextlib.ExitStack() as stack:
             servers = {}
             for name in names:
-                args, env, models = rows[name]
-                server = stack.enter_context(SGLangServer(
-                    # the KV pool is capped by max_total_tokens; a high static fraction only keeps SGLang's memory
-                    # check from refusing a second large server side by side (it counts the first one's RAM)
-                    model, args + ["--max-running-requests", str(max(a.streams)), "--sleep-on-idle",
-                                   "--mem-fraction-static", "0.95"], env=env,
-                    max_total_tokens=8192, log_path=out / f"{name.replace(' ', '_')}.log"))
-                servers[name] = (server, models, PeakRSS(server.proc.pid))
-                loaded_rss[name] = servers[name][2].now()
+                server = start(stack, name)
+                servers[name] = (server, PeakRSS(server.proc.pid))
+                loaded_rss[name] = servers[name][1].now()
+                greedy[name] = greedy_texts(server, requests[name])
             runs = {name: {s: [] for s in a.streams} for name in servers}
+            prefill = {name: [] for name in servers}
             for _ in range(a.repeats):  # rows take turns, so a slow drift of the machine hits every row alike
                 for s in a.streams:
-                    for name, (server, models, _) in servers.items():
-                        runs[name][s].append(decode_run(server, models, s, a.tokens))
-            for name, (_, _, rss) in servers.items():
+                    for name, (server, _) in servers.items():
+                        runs[name][s].append(decode_run(server, requests[name], s, a.tokens))
+                for name, (server, _) in servers.items():
+                    prefill[name].append(prefill_run(server, requests[name]))
+            for name, (_, rss) in servers.items():
                 median = {s: sorted(v, key=lambda r: r["tok_s"])[len(v) // 2] for s, v in runs[name].items()}
-                measured[name] = (median, rss.stop(), loaded_rss[name])
+                measured[name] = (median, statistics.median(prefill[name]), rss.stop(), loaded_rss[name])
                 print(f"{name}: " + ", ".join(f"{s} streams {r['tok_s']:.1f} tok/s" for s, r in median.items()) +
-                      f", RSS after load {loaded_rss[name] / 2**30:.2f} GiB, peak {measured[name][1] / 2**30:.2f} GiB",
-                      flush=True)
+                      f", prefill {measured[name][1]:.0f} tok/s, RSS after load {loaded_rss[name] / 2**30:.2f} GiB, "
+                      f"peak {measured[name][2] / 2**30:.2f} GiB", flush=True)
         return measured
 
-    results = {}
+    results, greedy = {}, {}
     for group in ([[name] for name in a.rows] if a.sequential else [a.rows]):
         results.update(measure(group))
 
     rows = []
-    for name, (runs, rss, loaded) in results.items():
+    base = results.get("kt base", (None,))[0]
+    sgl = results.get("sglang", (None,))[0]
+    for name, (runs, prefill, rss, loaded) in results.items():
+        peer = results.get(LLAMA_PEER.get(name), (None, None))
         for s, r in runs.items():
-            base = results.get("kt base", (None,))[0]
-            sgl = results.get("sglang", (None,))[0]
             rows.append({"row": name, "streams": s, "tok_s": round(r["tok_s"], 1),
                          "vs_kt_base": round(r["tok_s"] / base[s]["tok_s"], 3) if base else None,
                          "vs_sglang": round(r["tok_s"] / sgl[s]["tok_s"], 3) if sgl else None,
+                         "vs_llama_cpp": round(r["tok_s"] / peer[0][s]["tok_s"], 3) if peer[0] else None,
+                         "prefill_tok_s": round(prefill), "prefill_vs_llama_cpp":
+                             round(prefill / peer[1], 3) if peer[1] else None,
                          "lat_p50_s": round(r["lat_p50_s"], 3), "lat_p99_s": round(r["lat_p99_s"], 3),
                          "ms_per_tok_p50": round(r["ms_per_tok_p50"], 2), "ms_per_tok_p99": round(r["ms_per_tok_p99"], 2),
                          "rss_after_load_gib": round(loaded / 2**30, 2), "peak_rss_gib": round(rss / 2**30, 2)})
@@ -329,6 +421,11 @@ def main(argv=None):
         print("| " + " | ".join("n/a" if r[k] is None else str(r[k]) for k in keys) + " |")
     paths = write_report(out, "bench_serving", rows, title="kt_serve serving benchmark", chart=("streams", "tok_s", "row"),
                          meta={"config": desc, "moe_layer": moe_rows})
+    for kt, peer in LLAMA_PEER.items():  # bf16 rounding differs, so greedy paths part after a near-tie
+        if kt in greedy and peer in greedy:
+            shared = [len(os.path.commonprefix([x, y])) for x, y in zip(greedy[kt], greedy[peer])]
+            print(f"{peer} vs {kt}, greedy 16-token completions per adapter: characters in common before the first "
+                  f"difference " + ", ".join(f"{n} of {len(x)}" for n, x in zip(shared, greedy[kt])))
     print(f"report: {paths['md']}")
 
 
