@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import itertools
 import os
 import sys
 import tempfile
@@ -161,12 +162,17 @@ def greedy_texts(server, requests: list[dict], tokens: int = 16) -> list[str]:
     return texts
 
 
+_PREFILL_PROMPTS = itertools.count()
+
+
 def prefill_run(server, requests: list[dict], length: int = 512, runs: int = 3) -> float:
-    """Prompt tok/s of one `length`-token request (first adapter of the row, one output token), median of `runs`
-    prompts that share no prefix with each other or with the decode prompts (no cache hit on either server)."""
+    """Prompt tok/s of one `length`-token request (first adapter of the row, one output token), median of `runs`.
+    Every prompt is new: it starts with token 1, which no decode prompt does, then two tokens that number it, so
+    no server finds any of it in its prefix cache."""
     rates = []
-    for run in range(runs):
-        prompt = [3 + (run * 15485863 + j * 7907 + 11) % 997 for j in range(length)]
+    for _ in range(runs):
+        n = next(_PREFILL_PROMPTS)
+        prompt = [1, 3 + n // 997, 3 + n % 997] + [3 + (n * 104729 + j * 7907) % 997 for j in range(length - 3)]
         t0 = time.perf_counter()
         status, r = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 1, "temperature": 0,
                                                     "cache_prompt": False, **requests[0]}, timeout=600)

@@ -148,7 +148,7 @@ class LlamaServer(SGLangServer):
         super().__init__(gguf, log_path=log_path, startup_timeout=startup_timeout)
         self._base_cmd = [str(llama.server), "-m", str(gguf), "--host", "127.0.0.1", "-t", str(threads),
                           "-tb", str(threads), "-np", str(parallel), "-c", str(ctx_per_slot * parallel),
-                          "--no-webui", *(x for a in adapters for x in ("--lora-scaled", f"{a}:0"))]
+                          "--no-webui", *(["--lora-scaled", ",".join(f"{a}:0" for a in adapters)] if adapters else [])]
         self._use_port(self.port)
 
     def _wait_ready(self) -> None:
