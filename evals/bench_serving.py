@@ -149,17 +149,24 @@ def decode_run(server, requests: list[dict], streams: int, tokens: int, rounds: 
             "ms_per_tok_p50": statistics.median(per_tok), "ms_per_tok_p99": percentile(per_tok, 99)}
 
 
-def greedy_texts(server, requests: list[dict], tokens: int = 16) -> list[str]:
-    """The greedy completion of stream i's prompt for each of the row's requests: what another server on the same
-    weights and adapters must also answer (a check that the llama.cpp rows run the same model)."""
-    texts = []
+def greedy_tokens(server, requests: list[dict], tokens: int = 16) -> list[list[int]]:
+    """The greedy token ids for stream i's prompt for each of the row's requests: what another server on the same
+    weights and adapters should also answer, up to bf16 near-ties (a check that the llama.cpp rows run the same
+    model). llama.cpp's OpenAI endpoint does not return ids; its own /completion does."""
+    ids = []
     for i, extra in enumerate(requests):
-        status, r = server.post("/v1/completions", {"prompt": stream_prompt(i), "max_tokens": tokens, "temperature": 0,
-                                                    "ignore_eos": True, "cache_prompt": False, **extra}, timeout=600)
-        if status != 200:
-            raise RuntimeError(f"request {extra} failed: HTTP {status} {r}")
-        texts.append(r["choices"][0]["text"])
-    return texts
+        body = {"prompt": stream_prompt(i), "temperature": 0, "ignore_eos": True, "cache_prompt": False, **extra}
+        if isinstance(server, LlamaServer):
+            status, r = server.post("/completion", {**body, "n_predict": tokens, "return_tokens": True}, timeout=600)
+            got = r.get("tokens")
+        else:
+            status, r = server.post("/v1/completions", {**body, "max_tokens": tokens, "return_token_ids": True},
+                                    timeout=600)
+            got = r["choices"][0].get("token_ids") if status == 200 else None
+        if status != 200 or got is None:
+            raise RuntimeError(f"greedy request {extra} failed: HTTP {status} {str(r)[:300]}")
+        ids.append(list(got))
+    return ids
 
 
 _PREFILL_PROMPTS = itertools.count()
@@ -378,7 +385,7 @@ def main(argv=None):
                 server = start(stack, name)
                 servers[name] = (server, PeakRSS(server.proc.pid))
                 loaded_rss[name] = servers[name][1].now()
-                greedy[name] = greedy_texts(server, requests[name])
+                greedy[name] = greedy_tokens(server, requests[name])
             runs = {name: {s: [] for s in a.streams} for name in servers}
             prefill = {name: [] for name in servers}
             for _ in range(a.repeats):  # rows take turns, so a slow drift of the machine hits every row alike
@@ -427,11 +434,12 @@ def main(argv=None):
         print("| " + " | ".join("n/a" if r[k] is None else str(r[k]) for k in keys) + " |")
     paths = write_report(out, "bench_serving", rows, title="kt_serve serving benchmark", chart=("streams", "tok_s", "row"),
                          meta={"config": desc, "moe_layer": moe_rows})
-    for kt, peer in LLAMA_PEER.items():  # bf16 rounding differs, so greedy paths part after a near-tie
+    for kt, peer in LLAMA_PEER.items():
         if kt in greedy and peer in greedy:
-            shared = [len(os.path.commonprefix([x, y])) for x, y in zip(greedy[kt], greedy[peer])]
-            print(f"{peer} vs {kt}, greedy 16-token completions per adapter: characters in common before the first "
-                  f"difference " + ", ".join(f"{n} of {len(x)}" for n, x in zip(shared, greedy[kt])))
+            same = [next((j for j, (x, y) in enumerate(zip(ours, theirs)) if x != y), len(ours))
+                    for ours, theirs in zip(greedy[kt], greedy[peer])]
+            print(f"{peer} vs {kt}: greedy tokens in common before the first difference, per adapter (of 16): "
+                  f"{', '.join(map(str, same))} (bf16 paths part at routing near-ties, sooner with adapters)")
     print(f"report: {paths['md']}")
 
 

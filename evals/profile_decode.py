@@ -5,8 +5,9 @@ plugin) while N greedy streams decode, and the samples are grouped by the part o
                                    [--server-args ...]   # e.g. --server-args --kt-expert-lora-path DIR
 
 Needs py-spy (``pip install py-spy``; benchmarks only). The model is bench_serving.py's preset, built once under
---out. Shares are of the scheduler's samples after prefill; "other" is Python and per-op dispatch outside the
-named parts.
+--out. Shares are of the scheduler's samples after prefill; "other in the forward pass" is Python and per-op
+dispatch in the model's forward outside the named parts, "scheduler loop" everything outside the forward pass
+(building the batch, processing results, sending them to the detokenizer).
 """
 
 from __future__ import annotations
@@ -35,13 +36,14 @@ PARTS = [
     ("routed experts (SGLang)", ("moe_forward_native", "fused_experts")),
     ("lm_head", ("LogitsProcessor._compute_lm_head", "compute_lm_head")),  # the latter: the plugin's dense path
     ("dense linears (q/k/v/o, gate, shared)", ("UnquantizedLinearMethod.apply", "linear_apply")),
-    ("attention", ("TorchNativeAttnBackend.forward_decode", "TorchNativeAttnBackend.forward_extend")),
+    ("attention", ("KTCPUAttnBackend.forward_decode", "TorchNativeAttnBackend.forward_decode",
+                   "TorchNativeAttnBackend.forward_extend")),
     # Qwen3.5's Gated DeltaNet layers: kt_serve's CPU ops (sglang_plugin/gdn_ops.py, qwen35_ops.py)
     ("GDN ops (conv, delta rule, gating, gated norm, qkvz split)",
      ("causal_conv1d_update_cpu", "causal_conv1d_fwd_cpu", "causal_conv1d_fn_cpu",
       "fused_sigmoid_gating_delta_rule_update_cpu", "chunk_gated_delta_rule_cpu", "fused_gdn_gating_cpu",
       "rms_norm_gated", "fused_qkvzba_split_reshape_cat_contiguous_cpu")),
-    ("norms", ("RMSNorm.forward_native", "apply_qk_norm")),
+    ("norms", ("rms_norm_forward_native", "RMSNorm.forward_native", "apply_qk_norm")),
     ("rotary", ("apply_rotary_emb", "RotaryEmbedding.forward_native")),
     ("router top-k", ("select_experts",)),
     ("KV cache write", ("_set_kv_buffer_impl",)),
@@ -49,11 +51,15 @@ PARTS = [
 ]
 
 
+FORWARD = "ModelRunner.forward"
+OTHER, SCHEDULER = "other in the forward pass", "scheduler loop (outside the forward pass)"
+
+
 def part_of(frames: list[str]) -> str:
     for part, names in PARTS:
         if any(name in frame for frame in frames for name in names):
             return part
-    return "other"
+    return OTHER if any(FORWARD in frame for frame in frames) else SCHEDULER
 
 
 def profile(model: str, streams: int, seconds: int, server_args: list[str], log: Path) -> collections.Counter:
@@ -112,7 +118,7 @@ def main(argv=None):
     print(f"\npreset {a.preset}; server args {' '.join(a.server_args) or '(none)'}; py-spy, {a.seconds} s per row")
     print("| part of the decode step | " + " | ".join(f"{s} stream{'s' * (s > 1)}" for s in a.streams) + " |")
     print("|---|" + "---|" * len(a.streams))
-    for part in [name for name, _ in PARTS] + ["other"]:
+    for part in [name for name, _ in PARTS] + [OTHER, SCHEDULER]:
         cells = [f"{100 * shares[s][part] / max(sum(shares[s].values()), 1):.1f}%" for s in a.streams]
         if any(c != "0.0%" for c in cells):
             print(f"| {part} | " + " | ".join(cells) + " |")
