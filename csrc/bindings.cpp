@@ -11,6 +11,7 @@
 #include "kernels.h"
 #include "moe_lora.h"
 #include "rms_norm.h"
+#include "rotary.h"
 #include "thread_pool.h"
 
 namespace py = pybind11;
@@ -130,6 +131,15 @@ PYBIND11_MODULE(_kernel, m) {
                      ptr<bf16>(residual_out));
       },
       "RMSNorm of M bf16 rows (optionally after adding a residual); see csrc/rms_norm.h");
+  m.def(
+      "rotary_embedding",
+      [](int T, uintptr_t positions, uintptr_t cos_sin, int64_t max_position, int rotary_dim, int head_size, bool neox,
+         uintptr_t q, int64_t q_ld, int q_heads, uintptr_t k, int64_t k_ld, int k_heads) {
+        py::gil_scoped_release nogil;
+        kt::rotary_embedding(T, ptr<const int64_t>(positions), ptr<const float>(cos_sin), max_position, rotary_dim,
+                             head_size, neox, {ptr<bf16>(q), q_ld, q_heads}, {ptr<bf16>(k), k_ld, k_heads});
+      },
+      "Rotary position embedding of bf16 q and k heads in place, from an fp32 cos/sin cache; see csrc/rotary.h");
   m.def(
       "decode_attention",
       [](int B, int Hq, int Hkv, int D, int Dv, uintptr_t q, int64_t ldq, uintptr_t k, int64_t ldk, uintptr_t v,

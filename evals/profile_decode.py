@@ -56,10 +56,21 @@ OTHER, SCHEDULER = "other in the forward pass", "scheduler loop (outside the for
 
 
 def part_of(frames: list[str]) -> str:
+    """frames: py-spy's "function (file:line)" entries, outermost first; matched on the function's whole name."""
+    functions = {frame.split(" (", 1)[0] for frame in frames}
     for part, names in PARTS:
-        if any(name in frame for frame in frames for name in names):
+        if not functions.isdisjoint(names):
             return part
-    return OTHER if any(FORWARD in frame for frame in frames) else SCHEDULER
+    return OTHER if FORWARD in functions else SCHEDULER
+
+
+def tally(lines: list[str]) -> collections.Counter:
+    """py-spy raw lines ("frame;frame;... count") -> samples per part of the step."""
+    counts = collections.Counter()
+    for line in lines:
+        stack, _, n = line.rpartition(" ")
+        counts[part_of(stack.split(";"))] += int(n)
+    return counts
 
 
 def profile(model: str, streams: int, seconds: int, server_args: list[str], log: Path) -> collections.Counter:
@@ -86,13 +97,10 @@ def profile(model: str, streams: int, seconds: int, server_args: list[str], log:
                             "--format", "raw", "--output", raw.name, "--nonblocking"], check=True,
                            capture_output=True)
             lines = Path(raw.name).read_text().splitlines()
+        (log.parent / f"{log.stem}.pyspy.txt").write_text("\n".join(lines))  # py-spy's raw stacks, for a closer look
         stop.set()
         thread.join()
-    counts = collections.Counter()
-    for line in lines:
-        stack, _, n = line.rpartition(" ")
-        counts[part_of(stack.split(";"))] += int(n)
-    return counts
+    return tally(lines)
 
 
 def main(argv=None):

@@ -65,10 +65,12 @@ def _register_worker_hooks(HookRegistry, HookType) -> None:
             from sglang.srt.utils.common import cpu_has_amx_support
 
             if not cpu_has_amx_support():  # with AMX, SGLang's forward_cpu runs its own fused kernel
-                from . import cpu_norm
+                from . import cpu_norm, cpu_rotary
 
                 HookRegistry.register(f"{cpu_norm.RMS_NORM}.forward_native", cpu_norm.rms_norm_forward_native,
                                       HookType.AROUND)
+                HookRegistry.register(f"{cpu_rotary.ROTARY_EMBEDDING}.forward_native",
+                                      cpu_rotary.rotary_forward_native, HookType.AROUND)
         HookRegistry.register(f"{ELEMENTWISE}.fused_gate_sigmoid_mul_add", cpu_compat.gate_sigmoid_mul_add_cpu,
                               HookType.AROUND)
         HookRegistry.register(f"{ELEMENTWISE}.fused_gate_sigmoid_mul", cpu_compat.gate_sigmoid_mul_cpu,

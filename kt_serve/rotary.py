@@ -1,0 +1,52 @@
+"""Rotary position embedding in one C++ pass (``kt_serve._kernel.rotary_embedding``; csrc/rotary.h), the semantics
+of SGLang's ``RotaryEmbedding.forward_native`` for bf16 q / k with fp32 math and one rounding (forward_native
+rounds to bf16 after each multiply), in place like SGLang's accelerator paths (forward_cuda, sgl-kernel's CPU op).
+The plugin runs a CPU host's rotary layers through it (:mod:`kt_serve.sglang_plugin.cpu_rotary`), where torch's
+chain of small ops costs a dispatch per op; at decode this wrapper's own work is a few checks and one call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kt_serve import _kernel
+
+__all__ = ["rotary_embedding"]
+
+
+def _row_stride(x: torch.Tensor, name: str, T: int, head_size: int) -> int:
+    """Distance between x's token rows, for x [T, heads * head_size] or [T, heads, head_size] with dense heads."""
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        raise ValueError(f"{name} must be a CPU bf16 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if x.dim() not in (2, 3) or x.shape[0] != T or x.shape[-1] % head_size or (x.dim() == 3 and x.shape[-1] != head_size):
+        raise ValueError(f"{name} of shape {tuple(x.shape)} is not [{T}, heads * {head_size}] for {T} positions")
+    if x.stride(-1) != 1 or (x.dim() == 3 and x.shape[1] > 1 and x.stride(1) != head_size):
+        raise ValueError(f"{name}: the heads of a token must be dense (strides {x.stride()})")
+    return x.stride(0)
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, head_size: int,
+                     cos_sin_cache: torch.Tensor, is_neox_style: bool, rotary_dim: int | None = None):
+    """Rotates query and key in place and returns them. positions: int64 [T] (any shape of T values); query / key
+    bf16 [T, heads * head_size] or [T, heads, head_size], token rows any distance apart (views into qkv);
+    cos_sin_cache fp32 [max_position, rotary_dim]: cos in the first half of a row, sin in the second."""
+    rotary_dim = head_size if rotary_dim is None else int(rotary_dim)
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_size:
+        raise ValueError(f"rotary_dim must be even and in (0, head_size={head_size}], got {rotary_dim}")
+    if (not isinstance(cos_sin_cache, torch.Tensor) or cos_sin_cache.dtype != torch.float32 or cos_sin_cache.dim() != 2
+            or cos_sin_cache.shape[1] != rotary_dim or cos_sin_cache.device.type != "cpu"
+            or not cos_sin_cache.is_contiguous()):
+        raise ValueError(f"cos_sin_cache must be a contiguous CPU fp32 tensor [max_position, {rotary_dim}], got "
+                         f"{getattr(cos_sin_cache, 'dtype', None)} {tuple(getattr(cos_sin_cache, 'shape', ()))}")
+    if not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"positions must be an integer tensor, got {getattr(positions, 'dtype', None)}")
+    pos = positions if positions.dtype == torch.int64 and positions.is_contiguous() else \
+        positions.to(torch.int64).contiguous()
+    T = pos.numel()
+    q_ld, k_ld = _row_stride(query, "query", T, head_size), _row_stride(key, "key", T, head_size)
+    if T:
+        q_heads, k_heads = query[0].numel() // head_size, key[0].numel() // head_size
+        _kernel.rotary_embedding(T, pos.data_ptr(), cos_sin_cache.data_ptr(), cos_sin_cache.shape[0], rotary_dim,
+                                 head_size, bool(is_neox_style), query.data_ptr(), q_ld, q_heads, key.data_ptr(), k_ld,
+                                 k_heads)
+    return query, key

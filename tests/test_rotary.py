@@ -1,0 +1,125 @@
+"""kt_serve.rotary.rotary_embedding (one C++ pass) against an fp32 torch rotary embedding written out here (neox and
+GPT-J pairing, partial rotary_dim, GQA head counts, q / k as strided views into a fused qkv row, rotated in place),
+and against SGLang's own RotaryEmbedding.forward_native within its bf16 rounding."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kt_serve.rotary import rotary_embedding
+
+
+def cache(max_pos, rotary_dim, base=10000.0):
+    inv = 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None]
+    return torch.cat([ang.cos(), ang.sin()], -1).float()
+
+
+def reference(pos, x, head_size, cos_sin, neox, rotary_dim):
+    """fp32: each head's first rotary_dim values rotated pairwise by the angle of its position."""
+    T = pos.shape[0]
+    h = x.float().reshape(T, -1, head_size).clone()
+    half = rotary_dim // 2
+    cos, sin = cos_sin[pos, :half][:, None], cos_sin[pos, half:][:, None]
+    idx = torch.arange(half)
+    a, b = (idx, idx + half) if neox else (2 * idx, 2 * idx + 1)
+    x1, x2 = h[..., a].clone(), h[..., b].clone()
+    h[..., a], h[..., b] = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    return h.reshape(x.shape)
+
+
+def ulps(a, b):  # bf16 steps between a and b, per element, relative to the larger of |b| and 1
+    return ((a.float() - b.float()).abs() / (b.float().abs().clamp_min(1.0) * 2**-7)).amax().item()
+
+
+@pytest.mark.parametrize("T, hq, hk, head_size, rotary_dim", [
+    (1, 32, 4, 128, 128), (7, 4, 2, 64, 32), (3, 5, 5, 48, 48), (512, 8, 1, 256, 64), (2, 3, 1, 20, 10)])
+@pytest.mark.parametrize("neox", [True, False])
+def test_matches_fp32_reference(T, hq, hk, head_size, rotary_dim, neox):
+    g = torch.Generator().manual_seed(T * 131 + head_size)
+    cs = cache(4096, rotary_dim)
+    pos = torch.randint(0, 4096, (T,), generator=g)
+    qkv = (torch.randn(T, (hq + 2 * hk) * head_size, generator=g) * 2).bfloat16()
+    q, k, _ = qkv.split([hq * head_size, hk * head_size, hk * head_size], dim=-1)  # strided views, as in SGLang
+    qkv0 = qkv.clone()
+    q0, k0, v0 = qkv0.split([hq * head_size, hk * head_size, hk * head_size], dim=-1)
+    got_q, got_k = rotary_embedding(pos, q, k, head_size, cs, neox, rotary_dim)
+    assert got_q is q and got_k is k  # in place
+    for got, x in ((got_q, q0), (got_k, k0)):
+        want = reference(pos, x, head_size, cs, neox, rotary_dim)
+        assert ulps(got, want) <= 1.0  # fp32 math, one rounding
+        tail = got.reshape(T, -1, head_size)[..., rotary_dim:]
+        assert torch.equal(tail, x.reshape(T, -1, head_size)[..., rotary_dim:])  # not rotated: left as it was
+    assert torch.equal(qkv[:, (hq + hk) * head_size:], v0)  # v, beside q and k in the row, untouched
+
+
+def test_matches_sglang_forward_native():
+    """SGLang's op-by-op version rounds to bf16 after each product; ours within a few of its steps."""
+    from sglang.srt.layers.rotary_embedding import RotaryEmbedding
+
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(128, 128, 4096, 1000000.0, True, torch.bfloat16)
+    T = 9
+    pos = torch.randint(0, 4096, (T,))
+    q, k = torch.randn(T, 32 * 128).bfloat16(), torch.randn(T, 4 * 128).bfloat16()
+    exact = reference(pos, q, 128, cache(4096, 128, 1000000.0), True, 128)
+    want_q, want_k = RotaryEmbedding.forward_native(rope, pos, q.clone(), k.clone())
+    got_q, got_k = rotary_embedding(pos, q, k, 128, cache(4096, 128, 1000000.0), True, 128)
+    assert ulps(got_q, want_q) <= 4 and ulps(got_k, want_k) <= 4
+    assert (got_q.float() - exact).abs().mean() <= (want_q.float() - exact).abs().mean()  # ours is closer to fp32
+
+
+def test_positions_zero_is_identity_and_no_tokens():
+    cs = cache(16, 8)
+    q, k = torch.randn(2, 16).bfloat16(), torch.randn(2, 8).bfloat16()
+    q0, k0 = q.clone(), k.clone()
+    got_q, got_k = rotary_embedding(torch.zeros(2, dtype=torch.int64), q, k, 8, cs, False, 8)
+    assert torch.equal(got_q, q0) and torch.equal(got_k, k0)  # angle 0: cos 1, sin 0
+    e_q, e_k = rotary_embedding(torch.zeros(0, dtype=torch.int64), q[:0], k[:0], 8, cs, True, 8)
+    assert e_q.shape == (0, 16) and e_k.shape == (0, 8)
+    assert math.isclose(float(cs[3, 0]), math.cos(3.0), rel_tol=1e-6)  # the reference cache itself
+
+
+def test_bad_arguments_raise_clear_errors():
+    cs = cache(16, 8)
+    q, k = torch.zeros(2, 16).bfloat16(), torch.zeros(2, 8).bfloat16()
+    pos = torch.tensor([0, 3])
+    with pytest.raises(ValueError, match="outside the cache's \\[0, 16\\)"):
+        rotary_embedding(torch.tensor([0, 16]), q, k, 8, cs, True, 8)
+    with pytest.raises(ValueError, match="heads of a token must be dense"):
+        rotary_embedding(pos, torch.zeros(2, 16, 2).bfloat16()[..., 0], k, 8, cs, True, 8)
+    with pytest.raises(ValueError, match="cos_sin_cache must be"):
+        rotary_embedding(pos, q, k, 8, cs.bfloat16(), True, 8)
+    with pytest.raises(ValueError, match="rotary_dim must be even"):
+        rotary_embedding(pos, q, k, 8, cs, True, 7)
+    with pytest.raises(ValueError, match="query must be a CPU bf16"):
+        rotary_embedding(pos, q.float(), k, 8, cs, True, 8)
+    with pytest.raises(ValueError, match=r"key of shape \(2, 7\) is not \[2, heads \* 8\]"):
+        rotary_embedding(pos, q, torch.zeros(2, 7).bfloat16(), 8, cs, True, 8)
+
+
+def test_plugin_hook_takes_the_plain_case_only():
+    """sglang_plugin.cpu_rotary: SGLang's forward_native for anything but bf16 q / k with the fp32 cache."""
+    from sglang.srt.layers.rotary_embedding import RotaryEmbedding
+
+    from kt_serve.sglang_plugin.cpu_rotary import rotary_forward_native
+
+    rope = RotaryEmbedding(64, 32, 256, 10000.0, False, torch.bfloat16)
+    calls = []
+
+    def original(*args):
+        calls.append(args)
+        return "sglang"
+
+    pos, q, k = torch.tensor([3, 200]), torch.randn(2, 4 * 64).bfloat16(), torch.randn(2, 64).bfloat16()
+    want_q, want_k = (reference(pos, x, 64, cache(256, 32), False, 32) for x in (q, k))
+    got_q, got_k = rotary_forward_native(original, rope, pos, q, k)
+    assert not calls
+    assert rope.cos_sin_cache.dtype == torch.bfloat16  # SGLang's on a CPU host; the hook computes an fp32 one
+    assert ulps(got_q, want_q) <= 1.0 and ulps(got_k, want_k) <= 1.0
+    assert rotary_forward_native(original, rope, pos, q, k, offsets=torch.tensor([1, 1])) == "sglang"
+    assert rotary_forward_native(original, rope, pos, q.float(), k.float()) == "sglang"
+    assert len(calls) == 2
