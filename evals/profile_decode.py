@@ -44,7 +44,7 @@ PARTS = [
       "fused_sigmoid_gating_delta_rule_update_cpu", "chunk_gated_delta_rule_cpu", "fused_gdn_gating_cpu",
       "rms_norm_gated", "fused_qkvzba_split_reshape_cat_contiguous_cpu")),
     ("norms", ("rms_norm_forward_native", "RMSNorm.forward_native", "apply_qk_norm")),
-    ("rotary", ("apply_rotary_emb", "RotaryEmbedding.forward_native")),
+    ("rotary", ("rotary_forward_native", "apply_rotary_emb", "RotaryEmbedding.forward_native")),
     ("router top-k", ("select_experts",)),
     ("KV cache write", ("_set_kv_buffer_impl",)),
     ("sampling", ("Sampler.forward",)),
@@ -56,12 +56,17 @@ OTHER, SCHEDULER = "other in the forward pass", "scheduler loop (outside the for
 
 
 def part_of(frames: list[str]) -> str:
-    """frames: py-spy's "function (file:line)" entries, outermost first; matched on the function's whole name."""
+    """frames: py-spy's "function (file:line)" entries, outermost first; matched on the function's whole
+    qualified name or its tail after a dot (a class defined in a function: "f.<locals>.Cls.method")."""
     functions = {frame.split(" (", 1)[0] for frame in frames}
+
+    def called(name):
+        return name in functions or any(f.endswith("." + name) for f in functions)
+
     for part, names in PARTS:
-        if not functions.isdisjoint(names):
+        if any(map(called, names)):
             return part
-    return OTHER if FORWARD in functions else SCHEDULER
+    return OTHER if called(FORWARD) else SCHEDULER
 
 
 def tally(lines: list[str]) -> collections.Counter:
