@@ -21,7 +21,6 @@ import sys
 import tarfile
 import tempfile
 import time
-import urllib.error
 from pathlib import Path
 
 from kt_serve.server import SGLangServer
@@ -151,23 +150,12 @@ class LlamaServer(SGLangServer):
                           "--no-webui", *(["--lora-scaled", ",".join(f"{a}:0" for a in adapters)] if adapters else [])]
         self._use_port(self.port)
 
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout
-        last = "no answer"
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise LlamaCppUnavailable(f"llama-server exited with code {self.proc.returncode} during start-up; "
-                                          f"log {self.log_path}: {self.log_tail(3)}")
-            try:
-                status, body = self.post("/completion", {"prompt": [1, 2, 3], "n_predict": 1}, timeout=30)
-                if status == 200:
-                    return
-                last = f"HTTP {status}: {str(body)[:200]}"
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
-                last = repr(e)
-            time.sleep(1.0)
-        raise LlamaCppUnavailable(f"llama-server not ready after {self.startup_timeout:.0f}s ({last}); "
-                                  f"log {self.log_path}")
+    name = "llama-server"
+    start_error = LlamaCppUnavailable
+
+    def _probe(self) -> str | None:
+        status, body = self.post("/completion", {"prompt": [1, 2, 3], "n_predict": 1}, timeout=30)
+        return None if status == 200 else f"HTTP {status}: {str(body)[:200]}"
 
 
 def main(argv=None):

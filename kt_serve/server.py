@@ -164,30 +164,36 @@ class SGLangServer:
         with urllib.request.urlopen(self.base_url + path, timeout=timeout) as r:
             return json.loads(r.read() or b"{}")
 
+    # -- readiness: one look at a time (_probe), so a subclass for another server only says how it looks --------
+    name = "SGLang"
+    start_error = ServerStartError
+
+    def _probe(self) -> str | None:
+        """None once a real 1-token /generate answers, else what was seen instead."""
+        log = self.log_tail(400)
+        if _BIND_FAILED in log:
+            raise _PortTaken()
+        if _BOUND not in log:  # probe only our own uvicorn: a squatter on the port could hang or answer
+            return "HTTP port not bound yet"
+        probe = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+        status, body = self.post("/generate", probe, timeout=30)
+        return None if status == 200 and body.get("meta_info") else f"HTTP {status}: {str(body)[:200]}"
+
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
-        probe = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
         last = "no answer"
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise ServerStartError(f"SGLang exited with code {self.proc.returncode} during start-up; "
+                raise self.start_error(f"{self.name} exited with code {self.proc.returncode} during start-up; "
                                        f"log {self.log_path}:\n{self.log_tail()}")
-            log = self.log_tail(400)
-            if _BIND_FAILED in log:
-                raise _PortTaken()
-            if _BOUND not in log:  # probe only our own uvicorn: a squatter on the port could hang or answer
-                last = "HTTP port not bound yet"
-                time.sleep(1.0)
-                continue
             try:
-                status, body = self.post("/generate", probe, timeout=30)
-                if status == 200 and body.get("meta_info"):
+                last = self._probe()
+                if last is None:
                     return
-                last = f"HTTP {status}: {str(body)[:200]}"
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
                 last = repr(e)
             time.sleep(1.0)
-        raise ServerStartError(f"SGLang not ready after {self.startup_timeout:.0f}s (last probe: {last}); "
+        raise self.start_error(f"{self.name} not ready after {self.startup_timeout:.0f}s (last probe: {last}); "
                                f"log {self.log_path}:\n{self.log_tail()}")
 
 
