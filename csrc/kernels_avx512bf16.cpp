@@ -16,7 +16,10 @@ using kt::bf16;
 using kt::kBlockN;
 
 // MR rows × 64 columns of NB blocks (1, or 2 streamed side by side): MR×NB×4 zmm accumulators; per K pair,
-// 4 loads of each block shared by MR broadcasts of that block's A rows.
+// 4 loads of each block shared by MR broadcasts of that block's A rows. No software prefetch (here and in
+// kernels_avx512_quant.inc): a block's rows are contiguous and the hardware prefetchers stream them. On Zen 4,
+// prefetching 2 KiB ahead into L1 and 8 KiB into L2 as well ran MoE decode (T=1) at 0.79x a plain streaming sum
+// over the same bytes, without it at 0.99x (calls interleaved with the sum, evals/bench_kernel.py's stream column).
 template <int MR, int NB>
 inline void gemm_micro(const bf16* const (&A)[NB], int64_t lda, const bf16* const (&blocks)[NB], int kp,
                        float* const (&C)[NB], int64_t ldc) {
@@ -28,10 +31,6 @@ inline void gemm_micro(const bf16* const (&A)[NB], int64_t lda, const bf16* cons
   for (int kk = 0; kk < kk_n; ++kk) {
     for (int n = 0; n < NB; ++n) {
       const bf16* b = blocks[n] + static_cast<int64_t>(kk) * kBlockN * 2;
-      for (int l = 0; l < 4; ++l) {  // into L1 2 KiB ahead, into L2 8 KiB ahead (as kernels_avx512_quant.inc)
-        _mm_prefetch(reinterpret_cast<const char*>(b + 8 * kBlockN * 2) + 64 * l, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(b + 32 * kBlockN * 2) + 64 * l, _MM_HINT_T1);
-      }
       const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b);
       const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + 32);
       const __m512bh b2 = (__m512bh)_mm512_loadu_si512(b + 64);
@@ -239,7 +238,7 @@ const Kernels* kernels_avx512_bf16() {
   static const Kernels k{"avx512_bf16",         gemm_block_avx512,      gemm_block_pair_avx512, lora_a_bf16_avx512,
                          lora_a_f32_avx512,     lora_b_add_generic,     outer_acc_bf16_generic,
                          outer_acc_f32_generic, swiglu_avx512,          swiglu_backward_avx512, qgemm_block_avx512,
-                         qgemm_block_pair_avx512, decode_rows_avx512, quantize_rows_generic, kNeverDecode,
+                         qgemm_block_pair_avx512, decode_rows_avx512, quantize_rows_generic, scale_rows_generic, 16,
                          attn_scores_generic, exp_shifted_avx512, attn_values_generic};
   return &k;
 }

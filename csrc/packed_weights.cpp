@@ -155,17 +155,6 @@ float PackedWeights::at(int e, int n, int k) const {
 
 namespace {
 
-// Σ of n (a multiple of 32) bf16 values, in 32 lanes the compiler vectorises (a plain float sum would stay a
-// serial chain: reassociating it is not allowed).
-float row_sum(const bf16* a, int n) {
-  float lanes[32] = {};
-  for (int k = 0; k < n; k += 32)
-    for (int j = 0; j < 32; ++j) lanes[j] += bf16_to_f32(a[k + j]);
-  float s = 0.f;
-  for (float v : lanes) s += v;
-  return s;
-}
-
 // Many rows: the block decoded a group at a time (int8: 256 K values) into bf16, the bf16 microkernel over the
 // group, its partial product scaled into C (int4 adds its minimums times the group's input sums).
 void decoded_gemm(const Kernels& kern, int M, const bf16* A, int64_t lda, const Layout& l, Block b, float* C,
@@ -179,15 +168,7 @@ void decoded_gemm(const Kernels& kern, int M, const bf16* A, int64_t lda, const 
     kern.decode_rows(l, b.w, k0 / 2, (k0 + kc) / 2, d);
     kern.gemm_block(M, A + k0, lda, d, kc, part, kBlockN);
     const float* s = b.s + (k0 / l.group) * l.group_floats();
-    for (int m = 0; m < M; ++m) {
-      float* c = C + m * ldc;
-      const float* p = part + m * kBlockN;
-      const float xsum = l.fmt == Format::int4 ? row_sum(A + m * lda + k0, kc) : 0.f;
-      for (int j = 0; j < kBlockN; ++j) {
-        const float y = p[j] * s[j] + (l.fmt == Format::int4 ? s[64 + j] * xsum : 0.f);
-        c[j] = k0 == 0 ? y : c[j] + y;
-      }
-    }
+    kern.scale_rows(M, part, s, l.fmt == Format::int4 ? s + kBlockN : nullptr, A + k0, lda, kc, C, ldc, k0 == 0);
   }
 }
 

@@ -11,6 +11,9 @@ consecutive decode steps pick other experts). So weights come from memory, not f
 (L3s of 100+ MiB hold several layers of a quantized format). Times are min / median over repeats;
 ``vs_*`` = baseline time / our time (above 1 means kt_serve is faster). The roofline is max(bytes of the experts
 touched / measured memory bandwidth, FLOPs / measured GEMM peak, the faster of torch's bf16 and fp32), both measured here with torch.
+Forward rows up to T=64 are also timed in turn, call by call, with a plain streaming read of the same bytes
+(``stream``, torch's fp32 sum): ``% of stream`` = its time / ours, the share of the bandwidth the machine gave at
+the same moments (a VM's moves by 1.5x within minutes, which a figure from the start of the run cannot follow).
 ``--isa`` takes a comma list of kernel tables: each gets its own row set (the baselines are measured once), then
 every table's time over the first one's per T. ``--formats`` takes a comma list of base-weight formats (bf16, int8,
 int4, fp8; csrc/weight_format.h): each (table, format) gets its row set, then each format's speed-up over bf16
@@ -43,28 +46,36 @@ from kt_serve.kernel_weights import expert_bytes  # noqa: E402
 
 
 ROUTINGS = 16  # inputs per T, one per call in turn
+STREAM_MAX_T = 64  # forward rows up to this many tokens are timed in turn with a StreamProbe of the same bytes
 
 
 def timeit(fn, repeats: int, warmup: int = 2, budget_s: float = 20.0):
+    return timeit_turns([fn], repeats, warmup, budget_s)[0]
+
+
+def timeit_turns(fns, repeats: int, warmup: int = 2, budget_s: float = 20.0):
+    """(min, median) ms of each of fns, called in turn: what one measures the others see the machine in."""
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns:
+            fn()
+    times = [[] for _ in fns]
     start = time.perf_counter()
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-        if time.perf_counter() - start > budget_s and len(times) >= 3:
+        for fn, t in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            t.append((time.perf_counter() - t0) * 1e3)
+        if time.perf_counter() - start > budget_s and len(times[0]) >= 3:
             break
-    return min(times), statistics.median(times)
+    return [(min(t), statistics.median(t)) for t in times]
 
 
 # ------------------------------------------------------------------------------------------------ machine figures
 
 
-def measure_bandwidth_gbs() -> float:
-    """Sustained read bandwidth: fp32 sum over 1 GiB (bf16 sums take a slow upcast path; see the notes)."""
-    a = torch.ones(256 * 1024 * 1024, dtype=torch.float32)
+def measure_bandwidth_gbs(probe: "StreamProbe") -> float:
+    """Sustained read bandwidth: fp32 sum over the probe's 1 GiB (bf16 sums take a slow upcast path; see the notes)."""
+    a = probe.buf
     a.sum()
     best = min(timeit(lambda: a.sum(), 5, warmup=1))
     return a.numel() * 4 / (best / 1e3) / 1e9
@@ -107,9 +118,33 @@ def l3_bytes() -> int:
     return best or 32 * 2**20
 
 
+def touched_bytes(T, E, H, I, k, r, fmt="bf16") -> int:
+    """Expected bytes of the experts (base weights and LoRA) one call reads, under uniform top-k."""
+    touched = E * (1 - (1 - k / E) ** T)
+    return int(touched * (expert_bytes(H, I, fmt) + 3 * r * (H + I) * 2))
+
+
+class StreamProbe:
+    """A plain streaming read, torch's fp32 sum on the same threads, of the bytes a call reads, from a 1 GiB buffer
+    walked slice by slice so they come from memory. Timed in turn with our calls (timeit_turns): the bandwidth
+    a VM gets moves by 1.5x within minutes, so one figure from the start of the run would not say how close a call
+    came to it."""
+
+    def __init__(self, size_bytes: int = 2**30):
+        self.buf = torch.ones(size_bytes // 4, dtype=torch.float32)
+        self.pos = 0
+
+    def read(self, nbytes: int) -> None:
+        n = min(nbytes // 4, self.buf.numel())
+        if self.pos + n > self.buf.numel():
+            self.pos = 0
+        self.buf[self.pos : self.pos + n].sum()
+        self.pos += n
+
+
+
 def roofline_ms(T, E, H, I, k, r, bw_gbs, peak_gflops, op, fmt="bf16"):
-    touched = E * (1 - (1 - k / E) ** T)  # expected distinct experts under uniform top-k
-    bytes_ = touched * (expert_bytes(H, I, fmt) + 3 * r * (H + I) * 2)
+    bytes_ = touched_bytes(T, E, H, I, k, r, fmt)
     flops = 2 * T * k * 3 * H * I
     one = max(bytes_ / bw_gbs / 1e9, flops / peak_gflops / 1e9) * 1e3
     # backward with frozen base weights re-reads the touched weights and does ~2× the base FLOPs of forward
@@ -293,7 +328,8 @@ def main(argv=None) -> int:
     load = os.getloadavg()[0]
     if load > 0.5:
         print(f"warning: load average {load:.2f} before the run: other processes will skew these figures", flush=True)
-    bw, (peak, peak_dtype) = measure_bandwidth_gbs(), measure_gemm_peak_gflops()
+    probe = StreamProbe()
+    bw, (peak, peak_dtype) = measure_bandwidth_gbs(probe), measure_gemm_peak_gflops()
     print(f"machine: read bandwidth {bw:.1f} GB/s, torch GEMM peak {peak:.0f} GFLOP/s ({peak_dtype})", flush=True)
 
     grads = ExpertLoRA(*(torch.zeros(v.shape) for v in lora.values()), alpha=alpha)
@@ -391,7 +427,11 @@ def main(argv=None) -> int:
                 ("fwd", ours_fwd, torch_fwd, kt_fwd if kts else None),
                 ("fwd_bwd", ours_fb, torch_fb, kt_fb if kts else None),
             ):
-                o_min, o_med = timeit(fn_ours, rep)
+                nbytes = touched_bytes(T, E, H, I, k, r, fmt)
+                if op == "fwd" and T <= STREAM_MAX_T:  # decode: held to a streaming read of the same bytes
+                    (o_min, o_med), (s_min, _) = timeit_turns([fn_ours, lambda: probe.read(nbytes)], rep)
+                else:
+                    (o_min, o_med), s_min = timeit(fn_ours, rep), None
                 if (T, op) not in torch_ms:
                     torch_ms[T, op] = None if args.no_torch else timeit(fn_torch, rep)[0]
                 if fn_kt is not None and (T, op, fmt) not in kt_ms:
@@ -406,6 +446,8 @@ def main(argv=None) -> int:
                     "vs_torch": None if t_min is None else round(t_min / o_min, 3),
                     "vs_kt": None if k_min is None else round(k_min / o_min, 3),
                     "roofline_ms": round(roof, 3), "roofline_pct": round(100 * roof / o_min, 1),
+                    "stream_ms": None if s_min is None else round(s_min, 3),
+                    "stream_pct": None if s_min is None else round(100 * s_min / o_min, 1),
                     "tok_per_s": round(T / (o_min / 1e3), 1),
                 }
                 rows.append(row)
@@ -413,7 +455,8 @@ def main(argv=None) -> int:
                       + (f"{t_min:8.2f} ms (x{row['vs_torch']:.2f})" if t_min is not None else "     n/a")
                       + " | kt-kernel "
                       + (f"{k_min:8.2f} ms (x{row['vs_kt']:.2f})" if k_min is not None else "     n/a")
-                      + f" | roofline {roof:7.2f} ms = {row['roofline_pct']:.0f}%", flush=True)
+                      + f" | roofline {roof:7.2f} ms = {row['roofline_pct']:.0f}%"
+                      + ("" if s_min is None else f" | stream {s_min:7.2f} ms = {row['stream_pct']:.0f}%"), flush=True)
         del ours, kts
 
     def fmt(v, suffix=""):
@@ -421,12 +464,13 @@ def main(argv=None) -> int:
 
     print()
     print("| isa | format | T | op | ours ms (min/median) | torch bf16 ms | vs torch | kt-kernel ms | vs kt "
-          "| roofline ms | % roofline |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| roofline ms | % roofline | stream ms | % of stream |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r_ in rows:
         print(f"| {r_['isa']} | {r_['format']} | {r_['T']} | {r_['op']} | {r_['ms']:.2f} / {r_['ms_median']:.2f} | "
               f"{fmt(r_['torch_ms'])} | {fmt(r_['vs_torch'], 'x')} | {fmt(r_['kt_ms'])} | {fmt(r_['vs_kt'], 'x')} | "
-              f"{r_['roofline_ms']:.2f} | {r_['roofline_pct']:.0f}% |")
+              f"{r_['roofline_ms']:.2f} | {r_['roofline_pct']:.0f}% | {fmt(r_['stream_ms'])} | "
+              + ("n/a" if r_["stream_pct"] is None else f"{r_['stream_pct']:.0f}%") + " |")
     names = list(dict.fromkeys(r_["isa"] for r_ in rows))
     ms = {(r_["isa"], r_["format"], r_["T"], r_["op"]): r_["ms"] for r_ in rows}
     if len(names) > 1:  # each table's time over the first one's, per format (above 1: slower than the first)
@@ -449,7 +493,7 @@ def main(argv=None) -> int:
                     print(f"| {n} | {T} | {op} | "
                           + " | ".join(f"{ms[n, 'bf16', T, op] / ms[n, f, T, op]:.2f}x" for f in quantized) + " |")
     if args.json:
-        keys = ("isa", "format", "T", "op", "ms", "vs_torch", "kt_method", "vs_kt", "roofline_pct")
+        keys = ("isa", "format", "T", "op", "ms", "vs_torch", "kt_method", "vs_kt", "roofline_pct", "stream_pct")
         with open(args.json, "w") as f:
             json.dump([{k_: r_[k_] for k_ in keys} for r_ in rows], f, indent=2)
         print(f"wrote {args.json}")
