@@ -11,9 +11,10 @@ consecutive decode steps pick other experts). So weights come from memory, not f
 (L3s of 100+ MiB hold several layers of a quantized format). Times are min / median over repeats;
 ``vs_*`` = baseline time / our time (above 1 means kt_serve is faster). The roofline is max(bytes of the experts
 touched / measured memory bandwidth, FLOPs / measured GEMM peak, the faster of torch's bf16 and fp32), both measured here with torch.
-Forward rows up to T=64 are also timed in turn, call by call, with a plain streaming read of the same bytes
-(``stream``, torch's fp32 sum): ``% of stream`` = its time / ours, the share of the bandwidth the machine gave at
-the same moments (a VM's moves by 1.5x within minutes, which a figure from the start of the run cannot follow).
+Forward rows up to T=64 (decode) are timed in turn, call by call: every format of a table, each followed by a
+plain streaming read of the same bytes (``stream``, torch's fp32 sum). So the speed-ups over bf16 compare calls
+made in the same moments, and ``% of stream`` = its time / ours is the share of the bandwidth the machine gave
+then (a VM's moves by 1.5x within minutes, which a figure from the start of the run cannot follow).
 ``--isa`` takes a comma list of kernel tables: each gets its own row set (the baselines are measured once), then
 every table's time over the first one's per T. ``--formats`` takes a comma list of base-weight formats (bf16, int8,
 int4, fp8; csrc/weight_format.h): each (table, format) gets its row set, then each format's speed-up over bf16
@@ -364,12 +365,11 @@ def main(argv=None) -> int:
 
     if args.no_kt:
         print("kt-kernel: not measured (--no-kt)", flush=True)
-    cycle = {"ours": 0, "torch": 0, "kt": 0, "route": 0}
-    sizes = {"torch": L, "route": ROUTINGS}
+    cycle = {}  # name -> the last of its weight sets (or routings) used
 
-    def next_layer(name):
-        cycle[name] = (cycle[name] + 1) % sizes[name]
-        return cycle[name]
+    def next_of(name, items):
+        cycle[name] = (cycle.get(name, 0) + 1) % len(items)
+        return items[cycle[name]]
     tl = {n: v.clone().requires_grad_(True) for n, v in lora.items()}
 
     inputs = {}  # T -> ROUTINGS inputs (x, ids, w, grad_out), taken in turn
@@ -382,82 +382,97 @@ def main(argv=None) -> int:
             w = (w / w.sum(-1, keepdim=True)).float().contiguous()
             inputs[T].append((x, ids.contiguous(), w, torch.randn(T, H, generator=g).bfloat16()))
 
+    def step(T):
+        return next_of(f"route{T}", inputs[T])
+
+    def ours_fwd(T, mods, fmt):
+        def fn():
+            x, ids, w, _ = step(T)
+            next_of(f"ours:{fmt}", mods).forward_sft(x, ids, w, slots=0)
+        return fn
+
+    def stream_read(T, fmt):
+        nbytes = touched_bytes(T, E, H, I, k, r, fmt)
+        return lambda: probe.read(nbytes)
+
     # torch_ms[T, op] (bf16) and kt_ms[T, op, fmt] (kt-kernel's class for fmt): min ms, measured with the first table
     rows, torch_ms, kt_ms = [], {}, {}
-    for isa, fmt in [(i, f) for i in isas for f in formats]:
-        ours = build_ours(isa, fmt)  # one table's packed weights at a time
-        kts = build_kt(fmt) if isa == isas[0] else []
-        sizes["ours"], sizes["kt"] = len(ours), max(len(kts), 1)
-        for T in args.tokens:
-            rep = args.repeats if T <= 64 else max(3, args.repeats // 2)
+    for isa in isas:
+        all_ours = {fmt: build_ours(isa, fmt) for fmt in formats}  # one table's packed weights at a time
+        # Decode forward rows: every format and its StreamProbe read called in turn, so the speed-ups over bf16 and
+        # the shares of the stream compare calls made in the same moments.
+        decode = {}
+        for T in [T for T in args.tokens if T <= STREAM_MAX_T]:
+            fns = [f for fmt in formats for f in (ours_fwd(T, all_ours[fmt], fmt), stream_read(T, fmt))]
+            times = timeit_turns(fns, args.repeats * 2)
+            for i, fmt in enumerate(formats):
+                decode[fmt, T] = times[2 * i], times[2 * i + 1][0]
+        for fmt in formats:
+            ours = all_ours[fmt]
+            kts = build_kt(fmt) if isa == isas[0] else []
+            for T in args.tokens:
+                rep = args.repeats if T <= 64 else max(3, args.repeats // 2)
 
-            def step():
-                return inputs[T][next_layer("route")]
+                def ours_fb():
+                    x, ids, w, gy = step(T)
+                    m = next_of(f"ours:{fmt}", ours)
+                    m.forward_sft(x, ids, w, save_for_backward=True, slots=0)
+                    m.backward(gy)
 
-            def ours_fwd():
-                x, ids, w, _ = step()
-                ours[next_layer("ours")].forward_sft(x, ids, w, slots=0)
+                def torch_fwd():
+                    x, ids, w, _ = step(T)
+                    with torch.no_grad():
+                        torch_loop(x, ids, w, *next_of("torch", weights), lora, alpha / r)
 
-            def ours_fb():
-                x, ids, w, gy = step()
-                m = ours[next_layer("ours")]
-                m.forward_sft(x, ids, w, save_for_backward=True, slots=0)
-                m.backward(gy)
+                def torch_fb():
+                    x, ids, w, gy = step(T)
+                    xs = x.clone().requires_grad_(True)
+                    ws = w.clone().requires_grad_(True)
+                    torch_loop(xs, ids, ws, *next_of("torch", weights), tl, alpha / r).backward(gy)
 
-            def torch_fwd():
-                x, ids, w, _ = step()
-                with torch.no_grad():
-                    torch_loop(x, ids, w, *weights[next_layer("torch")], lora, alpha / r)
+                def kt_fwd():
+                    x, ids, w, _ = step(T)
+                    next_of(f"kt:{fmt}", kts).forward(x, ids, w)
 
-            def torch_fb():
-                x, ids, w, gy = step()
-                xs = x.clone().requires_grad_(True)
-                ws = w.clone().requires_grad_(True)
-                torch_loop(xs, ids, ws, *weights[next_layer("torch")], tl, alpha / r).backward(gy)
+                def kt_fb():
+                    x, ids, w, gy = step(T)
+                    next_of(f"kt:{fmt}", kts).fwd_bwd(x, ids, w, gy)
 
-            def kt_fwd():
-                x, ids, w, _ = step()
-                kts[next_layer("kt")].forward(x, ids, w)
-
-            def kt_fb():
-                x, ids, w, gy = step()
-                kts[next_layer("kt")].fwd_bwd(x, ids, w, gy)
-
-            for op, fn_ours, fn_torch, fn_kt in (
-                ("fwd", ours_fwd, torch_fwd, kt_fwd if kts else None),
-                ("fwd_bwd", ours_fb, torch_fb, kt_fb if kts else None),
-            ):
-                nbytes = touched_bytes(T, E, H, I, k, r, fmt)
-                if op == "fwd" and T <= STREAM_MAX_T:  # decode: held to a streaming read of the same bytes
-                    (o_min, o_med), (s_min, _) = timeit_turns([fn_ours, lambda: probe.read(nbytes)], rep)
-                else:
-                    (o_min, o_med), s_min = timeit(fn_ours, rep), None
-                if (T, op) not in torch_ms:
-                    torch_ms[T, op] = None if args.no_torch else timeit(fn_torch, rep)[0]
-                if fn_kt is not None and (T, op, fmt) not in kt_ms:
-                    kt_ms[T, op, fmt] = timeit(fn_kt, rep)[0]
-                t_min, k_min = torch_ms[T, op], kt_ms.get((T, op, fmt))
-                roof = roofline_ms(T, E, H, I, k, r, bw, peak, op, fmt)
-                row = {
-                    "isa": ours[0].isa, "format": fmt, "T": T, "op": op, "ms": round(o_min, 3), "ms_median": round(o_med, 3),
-                    "torch_ms": None if t_min is None else round(t_min, 3),
-                    "kt_method": None if k_min is None else kt_methods[fmt],
-                    "kt_ms": None if k_min is None else round(k_min, 3),
-                    "vs_torch": None if t_min is None else round(t_min / o_min, 3),
-                    "vs_kt": None if k_min is None else round(k_min / o_min, 3),
-                    "roofline_ms": round(roof, 3), "roofline_pct": round(100 * roof / o_min, 1),
-                    "stream_ms": None if s_min is None else round(s_min, 3),
-                    "stream_pct": None if s_min is None else round(100 * s_min / o_min, 1),
-                    "tok_per_s": round(T / (o_min / 1e3), 1),
-                }
-                rows.append(row)
-                print(f"{row['isa']:11s} {fmt:4s} T={T:4d} {op:8s} ours {o_min:8.2f} / {o_med:8.2f} ms | torch bf16 "
-                      + (f"{t_min:8.2f} ms (x{row['vs_torch']:.2f})" if t_min is not None else "     n/a")
-                      + " | kt-kernel "
-                      + (f"{k_min:8.2f} ms (x{row['vs_kt']:.2f})" if k_min is not None else "     n/a")
-                      + f" | roofline {roof:7.2f} ms = {row['roofline_pct']:.0f}%"
-                      + ("" if s_min is None else f" | stream {s_min:7.2f} ms = {row['stream_pct']:.0f}%"), flush=True)
-        del ours, kts
+                for op, fn_ours, fn_torch, fn_kt in (
+                    ("fwd", ours_fwd(T, ours, fmt), torch_fwd, kt_fwd if kts else None),
+                    ("fwd_bwd", ours_fb, torch_fb, kt_fb if kts else None),
+                ):
+                    if op == "fwd" and (fmt, T) in decode:
+                        (o_min, o_med), s_min = decode[fmt, T]
+                    else:
+                        (o_min, o_med), s_min = timeit(fn_ours, rep), None
+                    if (T, op) not in torch_ms:
+                        torch_ms[T, op] = None if args.no_torch else timeit(fn_torch, rep)[0]
+                    if fn_kt is not None and (T, op, fmt) not in kt_ms:
+                        kt_ms[T, op, fmt] = timeit(fn_kt, rep)[0]
+                    t_min, k_min = torch_ms[T, op], kt_ms.get((T, op, fmt))
+                    roof = roofline_ms(T, E, H, I, k, r, bw, peak, op, fmt)
+                    row = {
+                        "isa": ours[0].isa, "format": fmt, "T": T, "op": op, "ms": round(o_min, 3), "ms_median": round(o_med, 3),
+                        "torch_ms": None if t_min is None else round(t_min, 3),
+                        "kt_method": None if k_min is None else kt_methods[fmt],
+                        "kt_ms": None if k_min is None else round(k_min, 3),
+                        "vs_torch": None if t_min is None else round(t_min / o_min, 3),
+                        "vs_kt": None if k_min is None else round(k_min / o_min, 3),
+                        "roofline_ms": round(roof, 3), "roofline_pct": round(100 * roof / o_min, 1),
+                        "stream_ms": None if s_min is None else round(s_min, 3),
+                        "stream_pct": None if s_min is None else round(100 * s_min / o_min, 1),
+                        "tok_per_s": round(T / (o_min / 1e3), 1),
+                    }
+                    rows.append(row)
+                    print(f"{row['isa']:11s} {fmt:4s} T={T:4d} {op:8s} ours {o_min:8.2f} / {o_med:8.2f} ms | torch bf16 "
+                          + (f"{t_min:8.2f} ms (x{row['vs_torch']:.2f})" if t_min is not None else "     n/a")
+                          + " | kt-kernel "
+                          + (f"{k_min:8.2f} ms (x{row['vs_kt']:.2f})" if k_min is not None else "     n/a")
+                          + f" | roofline {roof:7.2f} ms = {row['roofline_pct']:.0f}%"
+                          + ("" if s_min is None else f" | stream {s_min:7.2f} ms = {row['stream_pct']:.0f}%"), flush=True)
+            del kts
+        del all_ours, ours
 
     def fmt(v, suffix=""):
         return "n/a" if v is None else f"{v:.2f}{suffix}"
