@@ -407,8 +407,9 @@ def main(argv=None) -> int:
             times = timeit_turns(fns, args.repeats * 2)
             for i, fmt in enumerate(formats):
                 decode[fmt, T] = times[2 * i], times[2 * i + 1][0]
+            del fns
         for fmt in formats:
-            ours = all_ours[fmt]
+            ours = all_ours.pop(fmt)  # freed with its backward copies once its rows are measured
             kts = build_kt(fmt) if isa == isas[0] else []
             for T in args.tokens:
                 rep = args.repeats if T <= 64 else max(3, args.repeats // 2)
@@ -471,8 +472,7 @@ def main(argv=None) -> int:
                           + (f"{k_min:8.2f} ms (x{row['vs_kt']:.2f})" if k_min is not None else "     n/a")
                           + f" | roofline {roof:7.2f} ms = {row['roofline_pct']:.0f}%"
                           + ("" if s_min is None else f" | stream {s_min:7.2f} ms = {row['stream_pct']:.0f}%"), flush=True)
-            del kts
-        del all_ours, ours
+            del ours, kts
 
     def fmt(v, suffix=""):
         return "n/a" if v is None else f"{v:.2f}{suffix}"
