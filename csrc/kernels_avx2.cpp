@@ -58,9 +58,10 @@ inline float hsum(__m256 v) {
 // ------------------------------------------------------------------------------------------------ packed GEMM
 
 // K is walked in chunks of kKC values: the chunk's A rows are converted to fp32 once (so a broadcast is one load)
-// and the chunk's rows of each block stay in L1 while the column passes and row groups go over it. No software
-// prefetch: the hardware prefetchers stream the block's contiguous rows (on Zen 4, prefetching the next chunk as
-// well ran MoE decode at T=1 at 0.65-0.67x a streaming read of the same bytes, without it at 0.83-0.89x). Scale groups of the quantized formats are multiples of kKC, so a chunk has one scale.
+// and the chunk's rows of each block stay in L1 while the column passes and row groups go over it. Scale groups
+// of the quantized formats are multiples of kKC, so a chunk has one scale. No software prefetch on this path: the
+// hardware prefetchers stream the block's contiguous rows (on Zen 4, prefetching the next chunk as well ran MoE
+// decode at T=1 at 0.65-0.67x a streaming read of the same bytes, without it at 0.83-0.89x).
 constexpr int kKC = 64;
 
 // Fixed-count loops over accumulators are unrolled before scalar replacement runs, or GCC keeps the accumulator
