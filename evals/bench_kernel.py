@@ -74,9 +74,10 @@ def timeit_turns(fns, repeats: int, warmup: int = 2, budget_s: float = 20.0):
 # ------------------------------------------------------------------------------------------------ machine figures
 
 
-def measure_bandwidth_gbs(probe: "StreamProbe") -> float:
-    """Sustained read bandwidth: fp32 sum over the probe's 1 GiB (bf16 sums take a slow upcast path; see the notes)."""
-    a = probe.buf
+def measure_bandwidth_gbs(probe: "StreamProbe | None" = None) -> float:
+    """Sustained read bandwidth: fp32 sum over a StreamProbe's 1 GiB (bf16 sums take a slow upcast path; see the
+    notes)."""
+    a = (probe or StreamProbe()).buf
     a.sum()
     best = min(timeit(lambda: a.sum(), 5, warmup=1))
     return a.numel() * 4 / (best / 1e3) / 1e9
