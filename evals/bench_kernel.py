@@ -144,7 +144,6 @@ class StreamProbe:
         self.pos += n
 
 
-
 def roofline_ms(T, E, H, I, k, r, bw_gbs, peak_gflops, op, fmt="bf16"):
     bytes_ = touched_bytes(T, E, H, I, k, r, fmt)
     flops = 2 * T * k * 3 * H * I
@@ -399,7 +398,7 @@ def main(argv=None) -> int:
     # torch_ms[T, op] (bf16) and kt_ms[T, op, fmt] (kt-kernel's class for fmt): min ms, measured with the first table
     rows, torch_ms, kt_ms = [], {}, {}
     for isa in isas:
-        all_ours = {fmt: build_ours(isa, fmt) for fmt in formats}  # one table's packed weights at a time
+        all_ours = {fmt: build_ours(isa, fmt) for fmt in formats}  # one table's packed weights, every format, at a time
         # Decode forward rows: every format and its StreamProbe read called in turn, so the speed-ups over bf16 and
         # the shares of the stream compare calls made in the same moments.
         decode = {}
