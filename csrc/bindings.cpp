@@ -12,6 +12,7 @@
 #include "moe_lora.h"
 #include "rms_norm.h"
 #include "rotary.h"
+#include "router.h"
 #include "thread_pool.h"
 
 namespace py = pybind11;
@@ -91,6 +92,22 @@ PYBIND11_MODULE(_kernel, m) {
       })
       .def("release_saved", &kt::MoELoRA::release_saved);
 
+  m.def(
+      "route_and_forward",
+      [](const kt::DenseLinear& gate, kt::MoELoRA& experts, int T, int k, bool renormalize, uintptr_t x,
+         uintptr_t slots, int uniform_slot, uintptr_t out) {
+        py::gil_scoped_release nogil;
+        kt::route_and_forward(gate, experts, T, k, renormalize, ptr<const bf16>(x), ptr<const int32_t>(slots),
+                              uniform_slot, ptr<bf16>(out));
+      },
+      "A MoE block: the experts routed by softmax top-k of the gate's logits (csrc/router.h).");
+  m.def(
+      "softmax_topk",
+      [](int T, int E, uintptr_t logits, int64_t ld, int k, bool renormalize, uintptr_t ids, uintptr_t weights) {
+        py::gil_scoped_release nogil;
+        kt::softmax_topk(T, E, ptr<const bf16>(logits), ld, k, renormalize, ptr<int32_t>(ids), ptr<float>(weights));
+      },
+      "Softmax top-k routing of T rows of bf16 logits (csrc/router.h).");
   m.def(
       "dropout_keep_mask",
       [](uint64_t seed, int proj, int64_t rows, int cols, double p, uintptr_t out) {

@@ -316,6 +316,26 @@ class MoEExperts:
             self._saved_T, self._saved_k = T, k
         return out
 
+    def forward_routed(self, x: torch.Tensor, gate, top_k: int, renormalize: bool,
+                       slots: Union[None, int, torch.Tensor] = None) -> torch.Tensor:
+        """A whole Qwen2/Qwen3-style MoE block in one call: the routed experts of
+        ``softmax_topk(bf16(gate(x)))`` (the k largest logits, weights = softmax over all experts, renormalised
+        over the k when ``renormalize``), as SGLang's torch-native top-k routes them. ``gate``: a
+        :class:`kt_serve.dense.PackedLinear` [experts, hidden] without bias. A serving forward (no backward)."""
+        T = int(x.shape[0]) if isinstance(x, torch.Tensor) and x.dim() == 2 else -1
+        _expect(x, "x", (torch.bfloat16,), (T, self.hidden_size))
+        if T > self.max_tokens:
+            raise ValueError(f"x has T={T} tokens, more than max_tokens={self.max_tokens} of this MoEExperts")
+        if not 1 <= top_k <= self.num_experts:
+            raise ValueError(f"top_k must be in 1..{self.num_experts}, got {top_k}")
+        if gate.bias is not None:
+            raise ValueError("the gate of forward_routed must have no bias")
+        slots_ptr, uniform_slot = self._slots_arg(slots, T)
+        out = torch.empty((T, self.hidden_size), dtype=torch.bfloat16)
+        _kernel.route_and_forward(gate._k, self._k, T, int(top_k), bool(renormalize), x.data_ptr(), slots_ptr,
+                                  uniform_slot, out.data_ptr())
+        return out
+
     def backward(self, grad_out: torch.Tensor) -> tuple:
         """Gradients of the last ``forward_sft(save_for_backward=True)``: ``(grad_x bf16 [T,H], grad_topk_weights
         fp32 [T,k])``. The LoRA gradients are accumulated into the buffers of :meth:`set_grad_buffers`."""

@@ -62,6 +62,11 @@ def _register_worker_hooks(HookRegistry, HookType) -> None:
                                   HookType.AROUND)
             HookRegistry.register(f"{dense_linear.LOGITS_PROCESSOR}._compute_lm_head", dense_linear.compute_lm_head,
                                   HookType.AROUND)
+            if get_config().enabled:
+                from . import moe_block
+
+                HookRegistry.register(f"{moe_block.QWEN3_MOE_BLOCK}.forward_normal", moe_block.forward_normal,
+                                      HookType.AROUND)
             from sglang.srt.utils.common import cpu_has_amx_support
 
             if not cpu_has_amx_support():  # with AMX, SGLang's forward_cpu runs its own fused kernel

@@ -1,0 +1,108 @@
+"""A CPU host's Qwen3-MoE block (router gate, softmax top-k, routed experts) in one kernel call.
+
+SGLang runs the block as the gate's linear layer, its TopK op (a softmax, a top-k and a renormalisation, each a
+torch dispatch, inside select_experts' checks for EPLB, capture and shared slots) and a dispatch through FusedMoE
+to our experts method. At decode the expert weights streamed just before have evicted the interpreter's working
+set from the caches, so each of those Python steps runs cold: in-server timing of a Qwen3-30B-A3B-shaped decode
+step (evals/profile_decode.py) put the block at 0.8 ms per layer beyond its two weight streams. When the block is
+plain, :meth:`kt_serve.kernel.MoEExperts.forward_routed` runs all of it in C++ with SGLang's routing arithmetic
+(bf16 gate logits, fp32 softmax over all experts, top-k, renormalised as the model asks). Anything else keeps
+SGLang's path: router LoRA in the batch, EPLB or expert-location dispatch, routed-expert capture, an expert
+distribution recording, padded token counts, grouped / biased / custom routing, shared top-k slots, waterfill,
+tensor or expert parallelism. ``--kt-cpu-ops auto|on|off`` with dense_linear.py, which packs the gate.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+QWEN3_MOE_BLOCK = "sglang.srt.models.qwen3_moe.Qwen3MoeSparseMoeBlock"
+_PLAN = "_kt_moe_block"  # on the block: its _Plan, or the reason it has none
+_logged: set = set()
+
+
+class _Plan:
+    __slots__ = ("gate", "experts", "top_k", "renormalize", "gate_key")
+
+    def __init__(self, gate, experts, top_k: int, renormalize: bool, gate_key):
+        self.gate, self.experts, self.top_k, self.renormalize, self.gate_key = (gate, experts, top_k, renormalize,
+                                                                               gate_key)
+
+
+def _plan(block):
+    """The block's _Plan, or a string saying why SGLang's own path must run it (checked once per block)."""
+    from sglang.srt.eplb.expert_distribution import (_ExpertDistributionRecorderNoop,
+                                                     get_global_expert_distribution_recorder)
+    from sglang.srt.eplb.expert_location_dispatch import ExpertLocationDispatchInfo
+    from sglang.srt.environ import envs
+
+    from .dense_linear import _ATTR
+    from .experts import KTRoutedExpertsMethod
+
+    experts, topk, gate = getattr(block, "experts", None), getattr(block, "topk", None), getattr(block, "gate", None)
+    method = getattr(experts, "quant_method", None)
+    if not isinstance(method, KTRoutedExpertsMethod) or not method.compute_rank or method.experts is None:
+        return "its routed experts are not on the kt_serve kernel"
+    if getattr(experts, "moe_tp_size", 1) != 1 or getattr(experts, "moe_ep_size", 1) != 1:
+        return "tensor or expert parallel MoE"
+    if getattr(experts, "_dwdp_bound", False):
+        return "DWDP weight prefetch"
+    packed = getattr(gate, _ATTR, None)
+    if packed is None or packed.bias is not None:
+        return "its router gate is not a packed bf16 layer without bias"
+    cfg = getattr(topk, "topk_config", None)
+    if cfg is None or cfg.scoring_func != "softmax" or cfg.use_grouped_topk or cfg.custom_routing_function \
+            or cfg.correction_bias is not None or cfg.num_shared_topk_slots != 0 \
+            or (cfg.routed_scaling_factor is not None and cfg.apply_routed_scaling_factor_on_output):
+        return "routing other than plain softmax top-k"
+    if getattr(topk, "enable_waterfill", False) or getattr(topk, "waterfill_balancer", None) is not None:
+        return "waterfill balancing"
+    if ExpertLocationDispatchInfo.init_new(block.layer_id) is not None:
+        return "expert-location dispatch (EPLB)"
+    if envs.SGLANG_SIMULATE_UNIFORM_EXPERTS.get() or envs.SGLANG_SIMULATE_ROUND_ROBIN_EXPERTS.get():
+        return "simulated expert routing"
+    if not isinstance(get_global_expert_distribution_recorder(), _ExpertDistributionRecorderNoop):
+        return "expert distribution recording"
+    return _Plan(packed, method.experts, int(cfg.top_k), bool(cfg.renormalize), (block.layer_id, "mlp.gate"))
+
+
+def _why_not_now(plan: _Plan, x: torch.Tensor):
+    """Why this call (not the block) must take SGLang's path, or None."""
+    from sglang.srt.model_executor.forward_context import get_forward_context, has_forward_context
+    from sglang.srt.state_capturer.routed_experts import get_global_experts_capturer
+
+    from .gate_lora import get_gate_lora
+
+    if x.dim() != 2 or x.shape[0] == 0 or x.device.type != "cpu" or x.dtype != torch.bfloat16:
+        return "input"
+    if get_global_experts_capturer() is not None:
+        return "routed-expert capture"
+    bound = get_forward_context().moe_num_token_non_padded if has_forward_context() else None
+    real = bound() if bound is not None else None
+    if real is not None and int(real) < x.shape[0]:  # SGLang would mask the padded rows' experts
+        return "padded rows"
+    if any(plan.gate_key in weights for weights in get_gate_lora().adapters.values()):
+        return "router LoRA"
+    return None
+
+
+def forward_normal(original, block, hidden_states: torch.Tensor):
+    """AROUND Qwen3MoeSparseMoeBlock.forward_normal."""
+    plan = getattr(block, _PLAN, None)
+    if plan is None:
+        plan = _plan(block)
+        setattr(block, _PLAN, plan)
+        if isinstance(plan, str) and plan not in _logged:
+            _logged.add(plan)
+            logger.info("kt_serve: MoE blocks keep SGLang's router path: %s", plan)
+    if isinstance(plan, str) or _why_not_now(plan, hidden_states) is not None:
+        return original(block, hidden_states)
+    from . import batch
+    from .experts import get_registry
+
+    x = hidden_states if hidden_states.is_contiguous() else hidden_states.contiguous()
+    slots = batch.slots_for(x.shape[0], get_registry().default_slot)
+    return plan.experts.forward_routed(x, plan.gate, plan.top_k, plan.renormalize, slots)
