@@ -149,6 +149,20 @@ PYBIND11_MODULE(_kernel, m) {
       },
       "RMSNorm of M bf16 rows (optionally after adding a residual); see csrc/rms_norm.h");
   m.def(
+      "qk_norm_rope",
+      [](int T, uintptr_t qkv, int64_t ld, int q_heads, int kv_heads, int D, uintptr_t q_w, uintptr_t k_w, double q_eps,
+         double k_eps, uintptr_t positions, uintptr_t cos_sin, int64_t max_position, int rotary_dim, bool neox) {
+        py::gil_scoped_release nogil;
+        bf16* q = ptr<bf16>(qkv);
+        bf16* k = q + static_cast<int64_t>(q_heads) * D;
+        kt::rms_norm_heads(T, q_heads, D, q, ld, ptr<const bf16>(q_w), static_cast<float>(q_eps));
+        kt::rms_norm_heads(T, kv_heads, D, k, ld, ptr<const bf16>(k_w), static_cast<float>(k_eps));
+        kt::rotary_embedding(T, ptr<const int64_t>(positions), ptr<const float>(cos_sin), max_position, rotary_dim, D,
+                             neox, {q, ld, q_heads}, {k, ld, kv_heads});
+      },
+      "Qwen3 attention's q / k RMSNorm per head then rotary embedding, in place in qkv rows (csrc/rms_norm.h, "
+      "csrc/rotary.h)");
+  m.def(
       "rotary_embedding",
       [](int T, uintptr_t positions, uintptr_t cos_sin, int64_t max_position, int rotary_dim, int head_size, bool neox,
          uintptr_t q, int64_t q_ld, int q_heads, uintptr_t k, int64_t k_ld, int k_heads) {

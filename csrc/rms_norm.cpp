@@ -39,4 +39,20 @@ void rms_norm(int M, int H, const bf16* x, const bf16* residual, int64_t ld, con
   pool->parallel_for(tasks, [&](int64_t t) { rows(t * M / tasks, (t + 1) * M / tasks); });
 }
 
+void rms_norm_heads(int T, int heads, int D, bf16* x, int64_t ld, const bf16* w, float eps) {
+  auto tokens = [&](int64_t t0, int64_t t1) {
+    thread_local std::vector<float> s;
+    s.resize(D);
+    for (int64_t t = t0; t < t1; ++t)
+      for (int h = 0; h < heads; ++h) {
+        bf16* row = x + t * ld + static_cast<int64_t>(h) * D;
+        norm_row(D, row, nullptr, w, eps, row, nullptr, s.data());
+      }
+  };
+  if (static_cast<int64_t>(T) * heads * D < kSerialValues) return tokens(0, T);
+  auto pool = global_pool();
+  const int64_t tasks = std::min<int64_t>(T, 4 * pool->num_threads());
+  pool->parallel_for(tasks, [&](int64_t t) { tokens(t * T / tasks, (t + 1) * T / tasks); });
+}
+
 }  // namespace kt

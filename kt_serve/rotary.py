@@ -11,7 +11,7 @@ import torch
 
 from kt_serve import _kernel
 
-__all__ = ["rotary_embedding"]
+__all__ = ["qk_norm_rope", "rotary_embedding"]
 
 
 def _row_stride(x: torch.Tensor, name: str, T: int, head_size: int) -> int:
@@ -25,12 +25,8 @@ def _row_stride(x: torch.Tensor, name: str, T: int, head_size: int) -> int:
     return x.stride(0)
 
 
-def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, head_size: int,
-                     cos_sin_cache: torch.Tensor, is_neox_style: bool, rotary_dim: int | None = None):
-    """Rotates query and key in place and returns them. positions: int64 [T] (any shape of T values); query / key
-    bf16 [T, heads * head_size] or [T, heads, head_size], token rows any distance apart (views into qkv);
-    cos_sin_cache fp32 [max_position, rotary_dim]: cos in the first half of a row, sin in the second."""
-    rotary_dim = head_size if rotary_dim is None else int(rotary_dim)
+def _cache_and_positions(cos_sin_cache, positions, rotary_dim: int, head_size: int):
+    """(positions as contiguous int64, number of positions) after checking the cache's and the rotary's shape."""
     if rotary_dim % 2 or not 0 < rotary_dim <= head_size:
         raise ValueError(f"rotary_dim must be even and in (0, head_size={head_size}], got {rotary_dim}")
     if (not isinstance(cos_sin_cache, torch.Tensor) or cos_sin_cache.dtype != torch.float32 or cos_sin_cache.dim() != 2
@@ -42,7 +38,41 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
         raise ValueError(f"positions must be an integer tensor, got {getattr(positions, 'dtype', None)}")
     pos = positions if positions.dtype == torch.int64 and positions.is_contiguous() else \
         positions.to(torch.int64).contiguous()
-    T = pos.numel()
+    return pos, pos.numel()
+
+
+def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, q_heads: int, kv_heads: int, head_size: int,
+                 q_weight: torch.Tensor, k_weight: torch.Tensor, q_eps: float, k_eps: float,
+                 cos_sin_cache: torch.Tensor, is_neox_style: bool, rotary_dim: int | None = None):
+    """Qwen3 attention's q / k preparation in one call, in place in ``qkv`` (bf16 [T, (q_heads + 2 kv_heads) *
+    head_size], rows any distance apart): each q head RMSNormed by ``q_weight`` (bf16 [head_size]), each k head by
+    ``k_weight``, as SGLang's RMSNorm computes them, then :func:`rotary_embedding` of both. Returns the q, k, v
+    views of qkv."""
+    rotary_dim = head_size if rotary_dim is None else int(rotary_dim)
+    pos, T = _cache_and_positions(cos_sin_cache, positions, rotary_dim, head_size)
+    q_size, kv_size = q_heads * head_size, kv_heads * head_size
+    if (not isinstance(qkv, torch.Tensor) or qkv.dtype != torch.bfloat16 or qkv.device.type != "cpu" or qkv.dim() != 2
+            or qkv.shape != (T, q_size + 2 * kv_size) or qkv.stride(-1) != 1):
+        raise ValueError(f"qkv must be a CPU bf16 tensor [{T}, {q_size + 2 * kv_size}] with dense rows, got "
+                         f"{getattr(qkv, 'dtype', None)} {tuple(getattr(qkv, 'shape', ()))}")
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if (not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16 or w.shape != (head_size,)
+                or w.device.type != "cpu" or not w.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous CPU bf16 tensor [{head_size}]")
+    if T:
+        _kernel.qk_norm_rope(T, qkv.data_ptr(), qkv.stride(0), q_heads, kv_heads, head_size, q_weight.data_ptr(),
+                             k_weight.data_ptr(), float(q_eps), float(k_eps), pos.data_ptr(), cos_sin_cache.data_ptr(),
+                             cos_sin_cache.shape[0], rotary_dim, bool(is_neox_style))
+    return qkv.split([q_size, kv_size, kv_size], dim=-1)
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, head_size: int,
+                     cos_sin_cache: torch.Tensor, is_neox_style: bool, rotary_dim: int | None = None):
+    """Rotates query and key in place and returns them. positions: int64 [T] (any shape of T values); query / key
+    bf16 [T, heads * head_size] or [T, heads, head_size], token rows any distance apart (views into qkv);
+    cos_sin_cache fp32 [max_position, rotary_dim]: cos in the first half of a row, sin in the second."""
+    rotary_dim = head_size if rotary_dim is None else int(rotary_dim)
+    pos, T = _cache_and_positions(cos_sin_cache, positions, rotary_dim, head_size)
     q_ld, k_ld = _row_stride(query, "query", T, head_size), _row_stride(key, "key", T, head_size)
     if T:
         q_heads, k_heads = query[0].numel() // head_size, key[0].numel() // head_size

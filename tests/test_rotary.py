@@ -123,3 +123,81 @@ def test_plugin_hook_takes_the_plain_case_only():
     assert rotary_forward_native(original, rope, pos, q, k, offsets=torch.tensor([1, 1])) == "sglang"
     assert rotary_forward_native(original, rope, pos, q.float(), k.float()) == "sglang"
     assert len(calls) == 2
+
+
+def rms_norm_heads_reference(x, T, head_size, w, eps):
+    """fp32 RMSNorm of every head, rounded to bf16 as SGLang's RMSNorm returns it."""
+    h = x.float().reshape(T, -1, head_size)
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w.float()).bfloat16().reshape(x.shape)
+
+
+@pytest.mark.parametrize("T, hq, hk, head_size, rotary_dim", [(1, 32, 4, 128, 128), (9, 8, 1, 64, 32),
+                                                            (300, 4, 4, 48, 48)])
+@pytest.mark.parametrize("neox", [True, False])
+def test_qk_norm_rope_matches_norm_then_rotary_reference(T, hq, hk, head_size, rotary_dim, neox):
+    from kt_serve.rotary import qk_norm_rope
+
+    g = torch.Generator().manual_seed(T * 7 + hq)
+    cs = cache(4096, rotary_dim)
+    pos = torch.randint(0, 4096, (T,), generator=g)
+    qkv = (torch.randn(T, (hq + 2 * hk) * head_size, generator=g) * 3).bfloat16()
+    qw, kw = ((torch.rand(head_size, generator=g) + 0.5).bfloat16() for _ in range(2))
+    q0, k0, v0 = (t.clone() for t in qkv.split([hq * head_size, hk * head_size, hk * head_size], dim=-1))
+    q, k, v = qk_norm_rope(qkv, pos, hq, hk, head_size, qw, kw, 1e-6, 1e-5, cs, neox, rotary_dim)
+    assert q.data_ptr() == qkv.data_ptr()  # views of qkv, written in place
+    for got, x, w, eps in ((q, q0, qw, 1e-6), (k, k0, kw, 1e-5)):
+        want = reference(pos, rms_norm_heads_reference(x, T, head_size, w, eps), head_size, cs, neox, rotary_dim)
+        assert ulps(got, want) <= 2.0  # the norm's rounding (a sum order apart) and the rotary's
+    assert torch.equal(v, v0)
+
+
+def qwen3_attention_stub(head_size=64, hq=4, hk=2, norm_cls=None):
+    """What Qwen3MoeAttention.apply_qk_norm_rope reads of its module, built from SGLang's own layers."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.layernorm import RMSNorm
+    from sglang.srt.layers.rotary_embedding import RotaryEmbedding
+
+    norm_cls = norm_cls or RMSNorm
+    q_norm, k_norm = norm_cls(head_size, eps=1e-6), norm_cls(head_size, eps=1e-6)
+    g = torch.Generator().manual_seed(5)
+    for n in (q_norm, k_norm):
+        n.weight.data = (torch.rand(head_size, generator=g) + 0.5).bfloat16()
+    return SimpleNamespace(q_norm=q_norm, k_norm=k_norm, rotary_emb=RotaryEmbedding(head_size, head_size, 256, 1e6,
+                                                                                    True, torch.bfloat16),
+                           head_dim=head_size, num_heads=hq, num_kv_heads=hk, use_fused_qk_norm_rope=False,
+                           use_fused_qk_norm_rope_cpu=False, compatible_with_fused_kv_buffer=False)
+
+
+def test_qk_norm_rope_hook_matches_sglangs_norm_and_rotary_modules():
+    """sglang_plugin.cpu_rotary.apply_qk_norm_rope against SGLang's split, RMSNorm.forward_native per head and
+    RotaryEmbedding.forward_native (the unfused CPU path; no hooks installed in this process)."""
+    from kt_serve.sglang_plugin.cpu_rotary import apply_qk_norm_rope
+
+    attn = qwen3_attention_stub()
+    T, D = 5, attn.head_dim
+    qkv = (torch.randn(T, (attn.num_heads + 2 * attn.num_kv_heads) * D) * 2).bfloat16()
+    pos = torch.tensor([0, 7, 100, 3, 255])
+    q, k, v = qkv.clone().split([attn.num_heads * D, attn.num_kv_heads * D, attn.num_kv_heads * D], dim=-1)
+    q = attn.q_norm.forward_native(q.reshape(-1, D)).reshape(T, -1)
+    k = attn.k_norm.forward_native(k.reshape(-1, D)).reshape(T, -1)
+    want_q, want_k = attn.rotary_emb.forward_native(pos, q, k)
+    calls = []
+    got_q, got_k, got_v = apply_qk_norm_rope(lambda *a: calls.append(a), attn, qkv, pos, None)
+    assert not calls and attn._used_fused_qk_norm_rope_last_call is False
+    # SGLang rounds to bf16 after each multiply of its bf16 cos/sin cache; ours is fp32 math, one rounding
+    assert ulps(got_q, want_q.reshape(T, -1)) <= 4.0 and ulps(got_k, want_k.reshape(T, -1)) <= 4.0
+    assert torch.equal(got_v, v)
+    assert ulps(got_q, reference(pos, q, D, cache(256, D, 1e6), True, D)) <= 1.0  # and against the fp32 rotation
+
+
+def test_qk_norm_rope_hook_leaves_other_norms_to_sglang():
+    from sglang.srt.layers.layernorm import GemmaRMSNorm
+
+    from kt_serve.sglang_plugin.cpu_rotary import apply_qk_norm_rope
+
+    attn = qwen3_attention_stub(norm_cls=GemmaRMSNorm)
+    qkv, pos = torch.zeros(1, 8 * 64).bfloat16(), torch.tensor([1])
+    assert apply_qk_norm_rope(lambda *a: "sglang", attn, qkv, pos, None) == "sglang"
+    attn = qwen3_attention_stub()
+    assert apply_qk_norm_rope(lambda *a: "sglang", attn, qkv.float(), pos, None) == "sglang"

@@ -61,3 +61,61 @@ def rotary_forward_native(original, rope, positions, query, key, offsets=None, f
         logger.info("kt_serve: rotary embedding on the kt_serve kernel (one C++ pass per call)")
     return rotary_embedding(positions, query, key, rope.head_size, _fp32_cache(rope), rope.is_neox_style,
                             rope.rotary_dim)
+
+
+QWEN3_MOE_ATTENTION = "sglang.srt.models.qwen3_moe.Qwen3MoeAttention"
+_QK_PLAN = "_kt_qk_norm_rope"  # on the attention module: True when qk_norm_rope runs it, else False
+_logged_qk = False
+
+
+def _plain_norm(norm, head_dim: int) -> bool:
+    """A plain RMSNorm over one head (the class whose forward_native cpu_norm.py replaces, not a subclass)."""
+    from sglang.srt.layers.layernorm import RMSNorm
+
+    w = getattr(norm, "weight", None)
+    return (type(norm) is RMSNorm and isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16
+            and w.device.type == "cpu" and w.shape == (head_dim,) and w.is_contiguous()
+            and norm.hidden_size == head_dim and not getattr(norm, "fp32_residual", False)
+            and getattr(norm, "override_orig_dtype", None) is None
+            and getattr(norm, "variance_size_override", None) is None
+            and not getattr(norm, "cast_x_before_out_mul", False))
+
+
+def _qk_plan(attn, forward_batch) -> bool:
+    from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
+    from sglang.srt.models.utils import enable_fused_set_kv_buffer
+
+    rope = getattr(attn, "rotary_emb", None)
+    cache = getattr(rope, "cos_sin_cache", None)
+    return (not getattr(attn, "use_fused_qk_norm_rope", False) and not getattr(attn, "use_fused_qk_norm_rope_cpu", False)
+            and _plain_norm(attn.q_norm, attn.head_dim) and _plain_norm(attn.k_norm, attn.head_dim)
+            and isinstance(rope, RotaryEmbedding) and type(rope).forward_native is RotaryEmbedding.forward_native
+            and not hasattr(rope, "sin_cos_cache") and rope.head_size == attn.head_dim
+            and isinstance(cache, torch.Tensor) and cache.dim() == 2 and cache.device.type == "cpu"
+            and cache.shape[1] == rope.rotary_dim and rope.rotary_dim % 2 == 0
+            and not (attn.compatible_with_fused_kv_buffer and enable_fused_set_kv_buffer(forward_batch)))
+
+
+def apply_qk_norm_rope(original, attn, qkv, positions, forward_batch):
+    """AROUND Qwen3MoeAttention.apply_qk_norm_rope: the split, q_norm / k_norm per head and rotary of a CPU host's
+    attention in one C++ call (kt_serve.rotary.qk_norm_rope) instead of SGLang's split, two RMSNorm modules and the
+    rotary module, each a run of Python and dispatch that a decode step pays cold after the weight streams."""
+    plan = getattr(attn, _QK_PLAN, None)
+    if plan is None:
+        plan = _qk_plan(attn, forward_batch)
+        setattr(attn, _QK_PLAN, plan)
+    if (not plan or qkv.dtype != torch.bfloat16 or qkv.device.type != "cpu" or qkv.dim() != 2
+            or qkv.stride(-1) != 1 or qkv.shape[0] == 0 or not isinstance(positions, torch.Tensor)
+            or positions.numel() != qkv.shape[0]):
+        return original(attn, qkv, positions, forward_batch)
+    from kt_serve.rotary import qk_norm_rope
+
+    global _logged_qk
+    if not _logged_qk:
+        _logged_qk = True
+        logger.info("kt_serve: q / k norm and rotary embedding on the kt_serve kernel (one C++ call per layer)")
+    rope = attn.rotary_emb
+    attn._used_fused_qk_norm_rope_last_call = False  # forward_core then writes the KV cache itself
+    return qk_norm_rope(qkv, positions, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.q_norm.weight,
+                        attn.k_norm.weight, attn.q_norm.variance_epsilon, attn.k_norm.variance_epsilon,
+                        _fp32_cache(rope), rope.is_neox_style, rope.rotary_dim)

@@ -76,6 +76,8 @@ def _register_worker_hooks(HookRegistry, HookType) -> None:
                                       HookType.AROUND)
                 HookRegistry.register(f"{cpu_rotary.ROTARY_EMBEDDING}.forward_native",
                                       cpu_rotary.rotary_forward_native, HookType.AROUND)
+                HookRegistry.register(f"{cpu_rotary.QWEN3_MOE_ATTENTION}.apply_qk_norm_rope",
+                                      cpu_rotary.apply_qk_norm_rope, HookType.AROUND)
         HookRegistry.register(f"{ELEMENTWISE}.fused_gate_sigmoid_mul_add", cpu_compat.gate_sigmoid_mul_add_cpu,
                               HookType.AROUND)
         HookRegistry.register(f"{ELEMENTWISE}.fused_gate_sigmoid_mul", cpu_compat.gate_sigmoid_mul_cpu,

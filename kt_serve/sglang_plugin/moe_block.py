@@ -103,6 +103,9 @@ def forward_normal(original, block, hidden_states: torch.Tensor):
     from . import batch
     from .experts import get_registry
 
+    if "plan" not in _logged:
+        _logged.add("plan")
+        logger.info("kt_serve: MoE blocks in one kernel call (router gate, softmax top-k, routed experts)")
     x = hidden_states if hidden_states.is_contiguous() else hidden_states.contiguous()
     slots = batch.slots_for(x.shape[0], get_registry().default_slot)
     return plan.experts.forward_routed(x, plan.gate, plan.top_k, plan.renormalize, slots)
