@@ -31,6 +31,13 @@ def reference(pos, x, head_size, cos_sin, neox, rotary_dim):
     return h.reshape(x.shape)
 
 
+def rotary_case(seed, T, hq, hk, head_size, rotary_dim, scale):
+    """(generator, fp32 cache of 4096 positions, T random positions, bf16 qkv rows [T, (hq + 2 hk) * head_size])."""
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.randint(0, 4096, (T,), generator=g)
+    return g, cache(4096, rotary_dim), pos, (torch.randn(T, (hq + 2 * hk) * head_size, generator=g) * scale).bfloat16()
+
+
 def ulps(a, b):  # bf16 steps between a and b, per element, relative to the larger of |b| and 1
     return ((a.float() - b.float()).abs() / (b.float().abs().clamp_min(1.0) * 2**-7)).amax().item()
 
@@ -39,10 +46,7 @@ def ulps(a, b):  # bf16 steps between a and b, per element, relative to the larg
     (1, 32, 4, 128, 128), (7, 4, 2, 64, 32), (3, 5, 5, 48, 48), (512, 8, 1, 256, 64), (2, 3, 1, 20, 10)])
 @pytest.mark.parametrize("neox", [True, False])
 def test_matches_fp32_reference(T, hq, hk, head_size, rotary_dim, neox):
-    g = torch.Generator().manual_seed(T * 131 + head_size)
-    cs = cache(4096, rotary_dim)
-    pos = torch.randint(0, 4096, (T,), generator=g)
-    qkv = (torch.randn(T, (hq + 2 * hk) * head_size, generator=g) * 2).bfloat16()
+    _, cs, pos, qkv = rotary_case(T * 131 + head_size, T, hq, hk, head_size, rotary_dim, 2)
     q, k, _ = qkv.split([hq * head_size, hk * head_size, hk * head_size], dim=-1)  # strided views, as in SGLang
     qkv0 = qkv.clone()
     q0, k0, v0 = qkv0.split([hq * head_size, hk * head_size, hk * head_size], dim=-1)
@@ -137,10 +141,7 @@ def rms_norm_heads_reference(x, T, head_size, w, eps):
 def test_qk_norm_rope_matches_norm_then_rotary_reference(T, hq, hk, head_size, rotary_dim, neox):
     from kt_serve.rotary import qk_norm_rope
 
-    g = torch.Generator().manual_seed(T * 7 + hq)
-    cs = cache(4096, rotary_dim)
-    pos = torch.randint(0, 4096, (T,), generator=g)
-    qkv = (torch.randn(T, (hq + 2 * hk) * head_size, generator=g) * 3).bfloat16()
+    g, cs, pos, qkv = rotary_case(T * 7 + hq, T, hq, hk, head_size, rotary_dim, 3)
     qw, kw = ((torch.rand(head_size, generator=g) + 0.5).bfloat16() for _ in range(2))
     q0, k0, v0 = (t.clone() for t in qkv.split([hq * head_size, hk * head_size, hk * head_size], dim=-1))
     q, k, v = qk_norm_rope(qkv, pos, hq, hk, head_size, qw, kw, 1e-6, 1e-5, cs, neox, rotary_dim)
