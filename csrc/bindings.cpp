@@ -9,6 +9,7 @@
 #include "dense_linear.h"
 #include "dropout.h"
 #include "kernels.h"
+#include "lora_segments.h"
 #include "moe_lora.h"
 #include "rms_norm.h"
 #include "rotary.h"
@@ -92,6 +93,41 @@ PYBIND11_MODULE(_kernel, m) {
       })
       .def("release_saved", &kt::MoELoRA::release_saved);
 
+  // The table of an "auto" call chosen once: these run for every LoRA layer of a step, and cpuid traps in a VM.
+  auto table = [](const std::string& isa) -> const kt::Kernels& {
+    static const kt::Kernels& best = kt::select_kernels("auto");
+    return isa == "auto" ? best : kt::select_kernels(isa.c_str());
+  };
+  auto segments = [](int n, int adapters, uintptr_t seg_lens, uintptr_t weight_indices, uintptr_t ranks,
+                     uintptr_t scalings) {
+    return kt::LoRASegments{n, adapters, ptr<const int32_t>(seg_lens), ptr<const int32_t>(weight_indices),
+                            ptr<const int32_t>(ranks), ptr<const float>(scalings)};
+  };
+  m.def(
+      "lora_shrink",
+      [segments, table](int n, int adapters, uintptr_t seg_lens, uintptr_t weight_indices, uintptr_t ranks,
+                        uintptr_t scalings, int T,
+                 int K, uintptr_t x, int64_t ldx, uintptr_t w, int w_rows, int slices, uintptr_t out, int64_t ldo,
+                 const std::string& isa) {
+        const kt::Kernels& k = table(isa);
+        py::gil_scoped_release nogil;
+        kt::lora_shrink(k, segments(n, adapters, seg_lens, weight_indices, ranks, scalings), T, K, ptr<const bf16>(x), ldx,
+                        ptr<const bf16>(w), w_rows, slices, ptr<bf16>(out), ldo);
+      },
+      "Segmented LoRA shrink of SGLang's LoRA batch (csrc/lora_segments.h).");
+  m.def(
+      "lora_expand",
+      [segments, table](int n, int adapters, uintptr_t seg_lens, uintptr_t weight_indices, uintptr_t ranks, int T,
+                        uintptr_t a,
+                 int64_t lda, uintptr_t w, int64_t w_rows, int max_rank, uintptr_t offsets, int slices, uintptr_t y,
+                 int64_t ldy,
+                 const std::string& isa) {
+        const kt::Kernels& k = table(isa);
+        py::gil_scoped_release nogil;
+        kt::lora_expand(k, segments(n, adapters, seg_lens, weight_indices, ranks, 0), T, ptr<const bf16>(a), lda,
+                        ptr<const bf16>(w), w_rows, max_rank, ptr<const int64_t>(offsets), slices, ptr<bf16>(y), ldy);
+      },
+      "Segmented LoRA expand, added to y in place (csrc/lora_segments.h).");
   m.def(
       "route_and_forward",
       [](const kt::DenseLinear& gate, kt::MoELoRA& experts, int T, int k, bool renormalize, uintptr_t x,

@@ -271,7 +271,8 @@ def test_mismatched_expert_adapter_refused_at_start(qwen3, workdir):
 
 
 def test_cpu_ops_run_on_the_kernel(server_q3):
-    """On a CPU host the plugin runs the bf16 linear layers, lm_head (sglang_plugin/dense_linear.py), RMSNorm
+    """On a CPU host the plugin runs the bf16 linear layers, lm_head (sglang_plugin/dense_linear.py), their LoRA
+    (cpu_lora.py), RMSNorm
     (cpu_norm.py), q / k norms with rotary embeddings (cpu_rotary.py) and whole MoE blocks (moe_block.py) on the
     kernel, and without AMX decode attention too (cpu_attention.py, chosen by default where
     SGLang would run torch_native): every served-vs-reference test above went through them."""
@@ -279,6 +280,7 @@ def test_cpu_ops_run_on_the_kernel(server_q3):
 
     log = server_q3.log_tail(100000)
     assert "dense layers (linear and lm_head) on the kt_serve kernel" in log, log[-3000:]
+    assert "dense-layer LoRA on the kt_serve kernel (segmented" in log, log[-3000:]  # cpu_lora.py: the adapters above
     if not cpu_has_amx_support():  # with AMX SGLang's own intel_amx kernels run norms, rotary, gate and attention
         assert "RMSNorm on the kt_serve kernel" in log, log[-3000:]
         assert "q / k norm and rotary embedding on the kt_serve kernel" in log, log[-3000:]  # Qwen3's, fused

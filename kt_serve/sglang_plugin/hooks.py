@@ -62,6 +62,10 @@ def _register_worker_hooks(HookRegistry, HookType) -> None:
                                   HookType.AROUND)
             HookRegistry.register(f"{dense_linear.LOGITS_PROCESSOR}._compute_lm_head", dense_linear.compute_lm_head,
                                   HookType.AROUND)
+            from . import cpu_lora
+
+            for op in ("sgemm_lora_a_fwd", "sgemm_lora_b_fwd"):
+                HookRegistry.register(f"{cpu_lora.TORCH_LORA_BACKEND}.{op}", getattr(cpu_lora, op), HookType.AROUND)
             if get_config().enabled:
                 from . import moe_block
 
