@@ -106,26 +106,23 @@ PYBIND11_MODULE(_kernel, m) {
   m.def(
       "lora_shrink",
       [segments, table](int n, int adapters, uintptr_t seg_lens, uintptr_t weight_indices, uintptr_t ranks,
-                        uintptr_t scalings, int T,
-                 int K, uintptr_t x, int64_t ldx, uintptr_t w, int w_rows, int slices, uintptr_t out, int64_t ldo,
-                 const std::string& isa) {
+                        uintptr_t scalings, int T, int K, uintptr_t x, int64_t ldx, uintptr_t w, int w_rows,
+                        int slices, uintptr_t out, int64_t ldo, const std::string& isa) {
         const kt::Kernels& k = table(isa);
         py::gil_scoped_release nogil;
-        kt::lora_shrink(k, segments(n, adapters, seg_lens, weight_indices, ranks, scalings), T, K, ptr<const bf16>(x), ldx,
-                        ptr<const bf16>(w), w_rows, slices, ptr<bf16>(out), ldo);
+        kt::lora_shrink(k, segments(n, adapters, seg_lens, weight_indices, ranks, scalings), T, K, ptr<const bf16>(x),
+                        ldx, ptr<const bf16>(w), w_rows, slices, ptr<bf16>(out), ldo);
       },
       "Segmented LoRA shrink of SGLang's LoRA batch (csrc/lora_segments.h).");
   m.def(
       "lora_expand",
       [segments, table](int n, int adapters, uintptr_t seg_lens, uintptr_t weight_indices, uintptr_t ranks, int T,
-                        uintptr_t a,
-                 int64_t lda, uintptr_t w, int64_t w_rows, int max_rank, uintptr_t offsets, int slices, uintptr_t y,
-                 int64_t ldy,
-                 const std::string& isa) {
+                        uintptr_t a, int64_t lda, uintptr_t w, int64_t w_rows, int max_rank, uintptr_t offsets,
+                        int slices, uintptr_t y, int64_t ldy, const std::string& isa) {
         const kt::Kernels& k = table(isa);
         py::gil_scoped_release nogil;
         kt::lora_expand(k, segments(n, adapters, seg_lens, weight_indices, ranks, 0), T, ptr<const bf16>(a), lda,
-                        ptr<const bf16>(w), w_rows, max_rank, ptr<const int64_t>(offsets), slices, ptr<bf16>(y), ldy);
+                        ptr<const bf16>(w), w_rows, max_rank, ptr<const int32_t>(offsets), slices, ptr<bf16>(y), ldy);
       },
       "Segmented LoRA expand, added to y in place (csrc/lora_segments.h).");
   m.def(

@@ -53,9 +53,9 @@ thread_local Buffer<float> tl_acc;  // per worker: one task's fp32 products
 
 void lora_shrink(const Kernels& k, const LoRASegments& s, int T, int K, const bf16* x, int64_t ldx, const bf16* W,
                  int w_rows, int slices, bf16* out, int64_t ldo) {
-  for (int t = 0; t < T; ++t) std::memset(out + t * ldo, 0, sizeof(bf16) * w_rows);
   if (slices < 1 || w_rows % slices) fail(std::to_string(w_rows) + " weight rows for " + std::to_string(slices) + " slices");
   const auto tasks = tasks_of(s, T, w_rows / slices);
+  for (int t = 0; t < T; ++t) std::memset(out + t * ldo, 0, sizeof(bf16) * w_rows);
   if (tasks.empty()) return;
   run(tasks, [&](const Task& task) {
     const int n = slices * s.ranks[task.adapter];
@@ -69,7 +69,7 @@ void lora_shrink(const Kernels& k, const LoRASegments& s, int T, int K, const bf
 }
 
 void lora_expand(const Kernels& k, const LoRASegments& s, int T, const bf16* a, int64_t lda, const bf16* W,
-                 int64_t w_rows, int max_rank, const int64_t* off, int slices, bf16* y, int64_t ldy) {
+                 int64_t w_rows, int max_rank, const int32_t* off, int slices, bf16* y, int64_t ldy) {
   if (slices < 1 || off[0] != 0) fail("slice offsets must start at 0");
   for (int i = 0; i < slices; ++i)
     if (off[i + 1] < off[i]) fail("slice offsets must not fall");
@@ -83,7 +83,7 @@ void lora_expand(const Kernels& k, const LoRASegments& s, int T, const bf16* a, 
     for (int i = 0; i < slices; ++i) {
       const int n = static_cast<int>(off[i + 1] - off[i]);
       float* acc = tl_acc.get(static_cast<size_t>(task.rows) * n);
-      const bf16* Ws = Wa + off[i] * max_rank;
+      const bf16* Ws = Wa + static_cast<int64_t>(off[i]) * max_rank;
       const bf16* A = a + task.t0 * lda + static_cast<int64_t>(i) * r;
       if (r == max_rank) {  // the slice's rows are dense: [n, r]
         k.lora_a_bf16(task.rows, A, lda, Ws, n, r, acc, n);

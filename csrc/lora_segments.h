@@ -25,11 +25,11 @@ struct LoRASegments {
 void lora_shrink(const Kernels& k, const LoRASegments& s, int T, int K, const bf16* x, int64_t ldx, const bf16* W,
                  int w_rows, int slices, bf16* out, int64_t ldo);
 
-// Expand, added in place: for each slice i, y[t][off[i], off[i+1]) += a[t][i·r, (i+1)·r) · W[a][off[i], off[i+1])
+// Expand, added in place (off: int32, as SGLang keeps its slice offsets): for each slice i, y[t][off[i], off[i+1]) += a[t][i·r, (i+1)·r) · W[a][off[i], off[i+1])
 // [0, r)ᵀ. a bf16 [T, lda] (the shrink's output); W bf16 [adapters, w_rows ≥ off[slices], max_rank] contiguous;
 // y bf16 rows ldy apart.
 void lora_expand(const Kernels& k, const LoRASegments& s, int T, const bf16* a, int64_t lda, const bf16* W,
-                 int64_t w_rows, int max_rank, const int64_t* off, int slices, bf16* y, int64_t ldy);
+                 int64_t w_rows, int max_rank, const int32_t* off, int slices, bf16* y, int64_t ldy);
 // Both throw std::invalid_argument, naming the field, for segments beyond T tokens, an adapter index out of range,
 // a rank the weights (or a) have no room for, or slice offsets that do not rise from 0.
 

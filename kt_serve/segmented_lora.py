@@ -68,9 +68,9 @@ def lora_expand(a: torch.Tensor, weights: torch.Tensor, seg_lens, weight_indices
             or not weights.is_contiguous():
         raise ValueError("weights must be a contiguous bf16 tensor [adapters, out, max_rank]")
     off = slice_offsets
-    if not isinstance(off, torch.Tensor) or off.dtype != torch.int64 or off.device.type != "cpu" \
-            or not off.is_contiguous():
-        off = torch.as_tensor(off).to(device="cpu", dtype=torch.int64).contiguous()
+    if not isinstance(off, torch.Tensor) or off.dtype != torch.int32 or off.device.type != "cpu" \
+            or not off.is_contiguous():  # SGLang's are int32 already: no conversion per layer
+        off = torch.as_tensor(off).to(device="cpu", dtype=torch.int32).contiguous()
     A, rows, max_rank = weights.shape
     slices = off.numel() - 1
     width = int(off[-1]) if slices >= 1 else -1

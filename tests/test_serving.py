@@ -285,6 +285,8 @@ def test_cpu_ops_run_on_the_kernel(server_q3):
         assert "RMSNorm on the kt_serve kernel" in log, log[-3000:]
         assert "q / k norm and rotary embedding on the kt_serve kernel" in log, log[-3000:]  # Qwen3's, fused
         assert "MoE blocks in one kernel call (router gate, softmax top-k, routed experts)" in log, log[-3000:]
+        # both2 (router LoRA, loaded under traffic above) sent its layers' blocks back to SGLang's router, saying so
+        assert "MoE blocks keep SGLang's router path: router LoRA in a loaded adapter" in log, log[-3000:]
         assert "decode attention on the kt_serve kernel (attention backend kt_cpu" in log, log[-3000:]
     released = re.search(r"([0-9.]+) MiB of torch weights released", log)  # the tests above ran without them
     assert released and float(released.group(1)) > 0, log[-3000:]

@@ -3,11 +3,12 @@
 SGLang runs the block as the gate's linear layer, its TopK op (a softmax, a top-k and a renormalisation, each a
 torch dispatch, inside select_experts' checks for EPLB, capture and shared slots) and a dispatch through FusedMoE
 to our experts method. At decode the expert weights streamed just before have evicted the interpreter's working
-set from the caches, so each of those Python steps runs cold: in-server timing of a Qwen3-30B-A3B-shaped decode
-step (evals/profile_decode.py) put the block at 0.8 ms per layer beyond its two weight streams. When the block is
+set from the caches, so each of those Python steps runs cold: timing a Qwen3-30B-A3B-shaped decode step inside the
+server put the block at 0.8 ms per layer beyond its two weight streams (evals/bench_cpu_ops.py --cold shows the
+effect on single ops). When the block is
 plain, :meth:`kt_serve.kernel.MoEExperts.forward_routed` runs all of it in C++ with SGLang's routing arithmetic
 (bf16 gate logits, fp32 softmax over all experts, top-k, renormalised as the model asks). Anything else keeps
-SGLang's path: router LoRA in the batch, EPLB or expert-location dispatch, routed-expert capture, an expert
+SGLang's path, with the reason logged once: router LoRA in the loaded adapters, EPLB or expert-location dispatch, routed-expert capture, an expert
 distribution recording, padded token counts, grouped / biased / custom routing, shared top-k slots, waterfill,
 tensor or expert parallelism. ``--kt-cpu-ops auto|on|off`` with dense_linear.py, which packs the gate.
 """
@@ -21,7 +22,13 @@ import torch
 logger = logging.getLogger(__name__)
 QWEN3_MOE_BLOCK = "sglang.srt.models.qwen3_moe.Qwen3MoeSparseMoeBlock"
 _PLAN = "_kt_moe_block"  # on the block: its _Plan, or the reason it has none
-_logged: set = set()
+_logged: set = set()  # reasons (and the fast path) already logged
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.info("kt_serve: %s", message)
 
 
 class _Plan:
@@ -76,16 +83,16 @@ def _why_not_now(plan: _Plan, x: torch.Tensor):
 
     from .gate_lora import get_gate_lora
 
-    if x.dim() != 2 or x.shape[0] == 0 or x.device.type != "cpu" or x.dtype != torch.bfloat16:
-        return "input"
+    if x.dim() != 2 or x.device.type != "cpu" or x.dtype != torch.bfloat16:
+        return "an input that is not a CPU bf16 [tokens, hidden] tensor"
     if get_global_experts_capturer() is not None:
         return "routed-expert capture"
     bound = get_forward_context().moe_num_token_non_padded if has_forward_context() else None
     real = bound() if bound is not None else None
     if real is not None and int(real) < x.shape[0]:  # SGLang would mask the padded rows' experts
-        return "padded rows"
+        return "padded rows in the batch"
     if any(plan.gate_key in weights for weights in get_gate_lora().adapters.values()):
-        return "router LoRA"
+        return "router LoRA in a loaded adapter"
     return None
 
 
@@ -95,17 +102,16 @@ def forward_normal(original, block, hidden_states: torch.Tensor):
     if plan is None:
         plan = _plan(block)
         setattr(block, _PLAN, plan)
-        if isinstance(plan, str) and plan not in _logged:
-            _logged.add(plan)
-            logger.info("kt_serve: MoE blocks keep SGLang's router path: %s", plan)
-    if isinstance(plan, str) or _why_not_now(plan, hidden_states) is not None:
+    if hidden_states.shape[0] == 0:  # an empty batch: nothing to route, nothing to say
+        return original(block, hidden_states)
+    reason = plan if isinstance(plan, str) else _why_not_now(plan, hidden_states)
+    if reason is not None:
+        _log_once(f"MoE blocks keep SGLang's router path: {reason}")
         return original(block, hidden_states)
     from . import batch
     from .experts import get_registry
 
-    if "plan" not in _logged:
-        _logged.add("plan")
-        logger.info("kt_serve: MoE blocks in one kernel call (router gate, softmax top-k, routed experts)")
+    _log_once("MoE blocks in one kernel call (router gate, softmax top-k, routed experts)")
     x = hidden_states if hidden_states.is_contiguous() else hidden_states.contiguous()
     slots = batch.slots_for(x.shape[0], get_registry().default_slot)
     return plan.experts.forward_routed(x, plan.gate, plan.top_k, plan.renormalize, slots)
