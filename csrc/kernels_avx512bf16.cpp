@@ -182,7 +182,35 @@ inline void store_bf16(bf16* p, __m512 v, __mmask16 k) {
   _mm256_mask_storeu_epi16(p, k, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
-inline __mmask16 tail_mask(int left) { return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1); }
+inline __mmask16 tail_mask(int left) {
+  return left >= 16 ? __mmask16(0xffff) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+}
+
+inline __m512 load_bf16x16(const bf16* p, __mmask16 k) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
+}
+
+// C[m][c] += s·T[m][j]·BT[j][c] with the 64 columns of a row in registers across the rank (the generic loop
+// round-trips C through memory once per j), in j order with one FMA per term, as the reference does.
+void lora_b_add_avx512(int M, const float* T, int64_t ldt, int r, const bf16* BT, int64_t ldb, int nc, float s,
+                       float* C, int64_t ldc) {
+  for (int c0 = 0; c0 < nc; c0 += 64) {
+    __mmask16 k[4];
+    for (int v = 0; v < 4; ++v) k[v] = tail_mask(nc - c0 - 16 * v);
+    for (int m = 0; m < M; ++m) {
+      float* c = C + m * ldc + c0;
+      __m512 acc[4];
+      for (int v = 0; v < 4; ++v) acc[v] = _mm512_maskz_loadu_ps(k[v], c + 16 * v);
+      for (int j = 0; j < r; ++j) {
+        const __m512 t = _mm512_set1_ps(s * T[m * ldt + j]);
+        const bf16* b = BT + j * ldb + c0;
+        for (int v = 0; v < 4; ++v) acc[v] = _mm512_fmadd_ps(t, load_bf16x16(b + 16 * v, k[v]), acc[v]);
+      }
+      for (int v = 0; v < 4; ++v) _mm512_mask_storeu_ps(c + 16 * v, k[v], acc[v]);
+    }
+  }
+}
+
 
 void swiglu_avx512(int n, const float* g, const float* u, bf16* h) {
   for (int c = 0; c < n; c += 16) {
@@ -236,7 +264,7 @@ const Kernels* kernels_avx512_bf16() {
   const char* vbmi = std::getenv("KT_SERVE_AVX512_VBMI");
   g_vbmi = cpu_has_avx512_vbmi() && kernels_avx512_vbmi_built() && !(vbmi && std::string(vbmi) == "0");
   static const Kernels k{"avx512_bf16",         gemm_block_avx512,      gemm_block_pair_avx512, lora_a_bf16_avx512,
-                         lora_a_f32_avx512,     lora_b_add_generic,     outer_acc_bf16_generic,
+                         lora_a_f32_avx512,     lora_b_add_avx512,      outer_acc_bf16_generic,
                          outer_acc_f32_generic, swiglu_avx512,          swiglu_backward_avx512, qgemm_block_avx512,
                          qgemm_block_pair_avx512, decode_rows_avx512, quantize_rows_generic, scale_rows_generic, 16,
                          attn_scores_generic, exp_shifted_avx512, attn_values_generic};
