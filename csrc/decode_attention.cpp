@@ -4,6 +4,7 @@
 #include <cmath>
 #include <vector>
 
+#include "prefetch.h"
 #include "thread_pool.h"
 
 namespace kt {
@@ -23,7 +24,7 @@ struct Slice {  // context positions [j0, j1) of request b, every head
 void prefetch_slots(const bf16* base, int64_t ld, const int32_t* slots, int n, int64_t row_values) {
   for (int s = 0; s < n; ++s) {
     const char* row = reinterpret_cast<const char*>(base + slots[s] * ld);
-    for (int64_t b = 0; b < row_values * 2; b += 64) __builtin_prefetch(row + b);
+    for (int64_t b = 0; b < row_values * 2; b += 64) prefetch_l1(row + b);
   }
 }
 

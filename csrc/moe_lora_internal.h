@@ -17,6 +17,7 @@
 
 #include "dropout.h"
 #include "moe_lora.h"
+#include "prefetch.h"
 #include "thread_pool.h"
 
 namespace kt {
@@ -101,16 +102,6 @@ void for_segments(const MoELoRA::Route& rt, int e, int r0, int r1, F&& fn) {
 }
 
 inline thread_local float tl_tile[2][kRowBlock * kBlockN];
-
-// Asks for the cache line at p to be brought into L2. An asm statement: GCC's dead-code elimination drops a
-// __builtin_prefetch whose loop has no other effect (it did so for every prefetch_rows call in this file).
-inline void prefetch_l2(const void* p) {
-#if defined(__x86_64__) || defined(__i386__)
-  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
-#else
-  __builtin_prefetch(p, 0, 2);
-#endif
-}
 
 // Asks for rows [p + j*ld, p + j*ld + n) of a bf16 matrix, j < rows, to be brought towards L2. A task's slice of
 // LoRA B is rank short rows far apart, which the hardware prefetcher does not follow; asked for before the base

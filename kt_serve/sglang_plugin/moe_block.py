@@ -5,12 +5,12 @@ torch dispatch, inside select_experts' checks for EPLB, capture and shared slots
 to our experts method. At decode the expert weights streamed just before have evicted the interpreter's working
 set from the caches, so each of those Python steps runs cold: timing a Qwen3-30B-A3B-shaped decode step inside the
 server put the block at 0.8 ms per layer beyond its two weight streams (evals/bench_cpu_ops.py --cold shows the
-effect on single ops). When the block is
-plain, :meth:`kt_serve.kernel.MoEExperts.forward_routed` runs all of it in C++ with SGLang's routing arithmetic
-(bf16 gate logits, fp32 softmax over all experts, top-k, renormalised as the model asks). Anything else keeps
-SGLang's path, with the reason logged once: router LoRA in the loaded adapters, EPLB or expert-location dispatch, routed-expert capture, an expert
-distribution recording, padded token counts, grouped / biased / custom routing, shared top-k slots, waterfill,
-tensor or expert parallelism. ``--kt-cpu-ops auto|on|off`` with dense_linear.py, which packs the gate.
+effect on single ops). When the block is plain, :meth:`kt_serve.kernel.MoEExperts.forward_routed` runs all of it
+in C++ with SGLang's routing arithmetic (bf16 gate logits, fp32 softmax over all experts, top-k, renormalised as
+the model asks). Anything else keeps SGLang's path, with the reason logged once: router LoRA in the loaded
+adapters, EPLB or expert-location dispatch, routed-expert capture, an expert distribution recording, padded token
+counts, grouped / biased / custom routing, shared top-k slots, waterfill, tensor or expert parallelism.
+``--kt-cpu-ops auto|on|off`` with dense_linear.py, which packs the gate.
 """
 
 from __future__ import annotations
