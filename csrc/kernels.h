@@ -67,7 +67,8 @@ struct Kernels {
 
   // Two gemm_blocks of M rows each: C0 = A0 · block0, C1 = A1 · block1 (A0 may equal A1). With few rows a
   // block is streamed from memory once; reading two blocks side by side keeps twice the loads in flight
-  // (up to kPairRows rows; with more, each block is reused enough that the tables do one after the other).
+  // (up to kPairRows rows; with more, each block is reused enough that the tables do one after the other). The
+  // AVX2 table always does one after the other: on Zen 3 two side-by-side streams ran slower (kernels_avx2.cpp).
   void (*gemm_block_pair)(int M, const bf16* A0, const bf16* A1, int64_t lda, const bf16* block0,
                           const bf16* block1, int kp, float* C0, float* C1, int64_t ldc);
 

@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "kernels_generic.inc"
+#include "prefetch.h"
 
 namespace {
 
@@ -59,9 +60,9 @@ inline float hsum(__m256 v) {
 
 // K is walked in chunks of kKC values: the chunk's A rows are converted to fp32 once (so a broadcast is one load)
 // and the chunk's rows of each block stay in L1 while the column passes and row groups go over it. Scale groups
-// of the quantized formats are multiples of kKC, so a chunk has one scale. No software prefetch on this path: the
-// hardware prefetchers stream the block's contiguous rows (on Zen 4, prefetching the next chunk as well ran MoE
-// decode at T=1 at 0.65-0.67x a streaming read of the same bytes, without it at 0.83-0.89x).
+// of the quantized formats are multiples of kKC, so a chunk has one scale. One block at a time, each row read
+// whole by one pass where the registers allow: on Zen 3 (EPYC Milan), MoE decode ran 11-14% (T=1) and 6-11%
+// (T=8) faster so than with two blocks streamed side by side in passes over parts of each row.
 constexpr int kKC = 64;
 
 // Fixed-count loops over accumulators are unrolled before scalar replacement runs, or GCC keeps the accumulator
@@ -88,89 +89,85 @@ struct Fp8Row {  // e4m3 bits placed in an fp32 (value · 2^-120, subnormals exa
     odd = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(x, 4), mask)), scale);
   }
 };
-// One column pass over a K chunk: MR rows × NC groups of 8 columns (groups v0 .. v0 + NC) of NB blocks (1, or 2
-// streamed side by side). a[n]: fp32 rows (stride kc) for block n, b[n]: block n's first row of the chunk,
-// c[n]: its output at the pass's first column. Per K pair each accumulator takes two FMAs (even-K, odd-K).
-// Scaled (quantized) chunks accumulate from zero and add acc · s into C; bf16 ones continue C unless first.
-// Register budget (16 ymm): the accumulators, two decoder constants, and either the decoded block values of one
-// block (2·NC, with the broadcasts streamed; when MR > NC) or the broadcasts of one block's rows (2·MR).
-template <class D, int MR, int NB, int NC>
-inline void gemm_pass(const float* const (&a)[NB], int kc, const uint8_t* const (&b)[NB], int v0,
-                      float* const (&c)[NB], const float* const (&s)[NB], int64_t ldc, bool first) {
+
+// The first of several column passes over a chunk asks for all of each row, so the lines the later passes read
+// arrive with the ones it reads (the prefetchers would see every other line of a block).
+template <int RowBytes>
+inline void prefetch_whole_row(const uint8_t* row) {
+  for (int q = 64; q < RowBytes; q += 64) kt::prefetch_l1(row + q);
+}
+
+// One column pass over a K chunk: MR rows × NC groups of 8 columns (groups v0 .. v0 + NC). a: fp32 rows (stride
+// kc), b: the block's first row of the chunk, c: the output at the pass's first column. Per K pair each
+// accumulator takes two FMAs (even-K, odd-K). Scaled (quantized) chunks accumulate from zero and add acc · s into
+// C; bf16 ones continue C unless first. Register budget (16 ymm): the accumulators, two decoder constants, and
+// either the decoded block values (2·NC, with the broadcasts streamed; when MR > NC) or the broadcasts (2·MR).
+template <class D, int MR, int NC>
+inline void gemm_pass(const float* a, int kc, const uint8_t* b, int v0, float* c, const float* s, int64_t ldc,
+                      bool first) {
   constexpr bool kHoldB = MR > NC;
-  static_assert(MR * NB * NC + 2 * (kHoldB ? NC : MR) + 3 <= 16, "tile does not fit the 16 ymm registers");
-  const bool carry = s[0] == nullptr && !first;
-  __m256 acc[NB][MR][NC];
+  static_assert(MR * NC + 2 * (kHoldB ? NC : MR) + 3 <= 16, "tile does not fit the 16 ymm registers");
+  const bool carry = s == nullptr && !first;
+  __m256 acc[MR][NC];
   KT_UNROLL
-  for (int n = 0; n < NB; ++n)
+  for (int m = 0; m < MR; ++m)
     KT_UNROLL
-    for (int m = 0; m < MR; ++m)
-      KT_UNROLL
-      for (int v = 0; v < NC; ++v) acc[n][m][v] = carry ? _mm256_loadu_ps(c[n] + m * ldc + 8 * v) : _mm256_setzero_ps();
+    for (int v = 0; v < NC; ++v) acc[m][v] = carry ? _mm256_loadu_ps(c + m * ldc + 8 * v) : _mm256_setzero_ps();
   for (int kk = 0; kk < kc / 2; ++kk) {
-    KT_UNROLL
-    for (int n = 0; n < NB; ++n) {
-      const uint8_t* row = b[n] + static_cast<int64_t>(kk) * D::kRowBytes;
-      const float* ar = a[n] + 2 * kk;
-      if constexpr (kHoldB) {
-        __m256 even[NC], odd[NC];
-        KT_UNROLL
-        for (int v = 0; v < NC; ++v) D::split(row, v0 + v, even[v], odd[v]);
-        KT_UNROLL
-        for (int m = 0; m < MR; ++m) {
-          const __m256 a0 = _mm256_broadcast_ss(ar + m * kc), a1 = _mm256_broadcast_ss(ar + m * kc + 1);
-          KT_UNROLL
-          for (int v = 0; v < NC; ++v) {
-            acc[n][m][v] = _mm256_fmadd_ps(a0, even[v], acc[n][m][v]);
-            acc[n][m][v] = _mm256_fmadd_ps(a1, odd[v], acc[n][m][v]);
-          }
-        }
-      } else {
-        __m256 a0[MR], a1[MR];
-        KT_UNROLL
-        for (int m = 0; m < MR; ++m) {
-          a0[m] = _mm256_broadcast_ss(ar + m * kc);
-          a1[m] = _mm256_broadcast_ss(ar + m * kc + 1);
-        }
+    const uint8_t* row = b + static_cast<int64_t>(kk) * D::kRowBytes;
+    const float* ar = a + 2 * kk;
+    if (NC < 8 && v0 == 0) prefetch_whole_row<D::kRowBytes>(row);
+    if constexpr (kHoldB) {
+      __m256 even[NC], odd[NC];
+      KT_UNROLL
+      for (int v = 0; v < NC; ++v) D::split(row, v0 + v, even[v], odd[v]);
+      KT_UNROLL
+      for (int m = 0; m < MR; ++m) {
+        const __m256 a0 = _mm256_broadcast_ss(ar + m * kc), a1 = _mm256_broadcast_ss(ar + m * kc + 1);
         KT_UNROLL
         for (int v = 0; v < NC; ++v) {
-          __m256 even, odd;
-          D::split(row, v0 + v, even, odd);
-          KT_UNROLL
-          for (int m = 0; m < MR; ++m) {
-            acc[n][m][v] = _mm256_fmadd_ps(a0[m], even, acc[n][m][v]);
-            acc[n][m][v] = _mm256_fmadd_ps(a1[m], odd, acc[n][m][v]);
-          }
+          acc[m][v] = _mm256_fmadd_ps(a0, even[v], acc[m][v]);
+          acc[m][v] = _mm256_fmadd_ps(a1, odd[v], acc[m][v]);
+        }
+      }
+    } else {
+      __m256 a0[MR], a1[MR];
+      KT_UNROLL
+      for (int m = 0; m < MR; ++m) {
+        a0[m] = _mm256_broadcast_ss(ar + m * kc);
+        a1[m] = _mm256_broadcast_ss(ar + m * kc + 1);
+      }
+      KT_UNROLL
+      for (int v = 0; v < NC; ++v) {
+        __m256 even, odd;
+        D::split(row, v0 + v, even, odd);
+        KT_UNROLL
+        for (int m = 0; m < MR; ++m) {
+          acc[m][v] = _mm256_fmadd_ps(a0[m], even, acc[m][v]);
+          acc[m][v] = _mm256_fmadd_ps(a1[m], odd, acc[m][v]);
         }
       }
     }
   }
   KT_UNROLL
-  for (int n = 0; n < NB; ++n)
+  for (int m = 0; m < MR; ++m)
     KT_UNROLL
-    for (int m = 0; m < MR; ++m)
-      KT_UNROLL
-      for (int v = 0; v < NC; ++v) {
-        float* out = c[n] + m * ldc + 8 * v;
-        __m256 r = acc[n][m][v];
-        if (s[n]) {
-          const __m256 sv = _mm256_loadu_ps(s[n] + 8 * (v0 + v));
-          r = first ? _mm256_mul_ps(r, sv) : _mm256_fmadd_ps(r, sv, _mm256_loadu_ps(out));
-        }
-        _mm256_storeu_ps(out, r);
+    for (int v = 0; v < NC; ++v) {
+      float* out = c + m * ldc + 8 * v;
+      __m256 r = acc[m][v];
+      if (s) {
+        const __m256 sv = _mm256_loadu_ps(s + 8 * (v0 + v));
+        r = first ? _mm256_mul_ps(r, sv) : _mm256_fmadd_ps(r, sv, _mm256_loadu_ps(out));
       }
+      _mm256_storeu_ps(out, r);
+    }
 }
 
 // All 64 columns of one K chunk, 8 / NC passes.
-template <class D, int MR, int NB, int NC>
-void gemm_chunk(const float* const (&a)[NB], int kc, const uint8_t* const (&b)[NB], float* const (&c)[NB],
-                const float* const (&s)[NB], int64_t ldc, bool first) {
+template <class D, int MR, int NC>
+void gemm_chunk(const float* a, int kc, const uint8_t* b, float* c, const float* s, int64_t ldc, bool first) {
   static_assert(kBlockN % (8 * NC) == 0, "passes must tile the 64 columns");
-  for (int p = 0; p < kBlockN / (8 * NC); ++p) {
-    float* cp[NB];
-    for (int n = 0; n < NB; ++n) cp[n] = c[n] + p * NC * 8;
-    gemm_pass<D, MR, NB, NC>(a, kc, b, p * NC, cp, s, ldc, first);
-  }
+  for (int p = 0; p < kBlockN / (8 * NC); ++p) gemm_pass<D, MR, NC>(a, kc, b, p * NC, c + p * NC * 8, s, ldc, first);
 }
 
 // rows × kc bf16 values (kc a multiple of 32, the padding included) to fp32 rows of stride kc.
@@ -185,57 +182,26 @@ void rows_to_f32(int rows, const bf16* A, int64_t lda, int kc, float* out) {
 inline const float* chunk_scales(const float* s, int group, int k0) { return s ? s + (k0 / group) * kBlockN : nullptr; }
 
 // 4 rows × 16 columns is the widest FMA-to-conversion ratio the registers allow (16 FMAs per 2 shifts + 2 ANDs
-// per K pair); 1-3 leftover rows take wider column passes.
+// per K pair); 1-3 leftover rows take wider column passes, one row all 64 columns in one pass.
 template <class D>
 void gemm_rows(int M, const bf16* A, int64_t lda, const uint8_t* block, const float* scales, int group, int kp,
                float* C, int64_t ldc) {
   alignas(32) float buf[4 * kKC];
   for (int k0 = 0; k0 < kp; k0 += kKC) {
     const int kc = std::min(kKC, kp - k0);
-    const uint8_t* const b[1] = {block + static_cast<int64_t>(k0 / 2) * D::kRowBytes};
-    const float* const s[1] = {chunk_scales(scales, group, k0)};
-    const float* const a[1] = {buf};
+    const uint8_t* b = block + static_cast<int64_t>(k0 / 2) * D::kRowBytes;
+    const float* s = chunk_scales(scales, group, k0);
     for (int m0 = 0; m0 < M; m0 += 4) {
       const int mr = std::min(4, M - m0);
       rows_to_f32(mr, A + m0 * lda + k0, lda, kc, buf);
-      float* const c[1] = {C + m0 * ldc};
+      float* c = C + m0 * ldc;
       const bool first = k0 == 0;
       switch (mr) {
-        case 4: gemm_chunk<D, 4, 1, 2>(a, kc, b, c, s, ldc, first); break;
-        case 3: gemm_chunk<D, 3, 1, 2>(a, kc, b, c, s, ldc, first); break;
-        case 2: gemm_chunk<D, 2, 1, 4>(a, kc, b, c, s, ldc, first); break;
-        default: gemm_chunk<D, 1, 1, 8>(a, kc, b, c, s, ldc, first); break;
+        case 4: gemm_chunk<D, 4, 2>(buf, kc, b, c, s, ldc, first); break;
+        case 3: gemm_chunk<D, 3, 2>(buf, kc, b, c, s, ldc, first); break;
+        case 2: gemm_chunk<D, 2, 4>(buf, kc, b, c, s, ldc, first); break;
+        default: gemm_chunk<D, 1, 8>(buf, kc, b, c, s, ldc, first); break;
       }
-    }
-  }
-}
-
-// Up to kPairRows = 3 rows (decode, where weight bandwidth decides) both blocks are streamed side by side;
-// with more rows each loaded block is reused enough that one block after the other is faster.
-static_assert(kt::kPairRows == 3, "gemm_pair_rows has tiles for 1..3 rows");
-template <class D>
-void gemm_pair_rows(int M, const bf16* A0, const bf16* A1, int64_t lda, const uint8_t* block0, const uint8_t* block1,
-                    const float* scales0, const float* scales1, int group, int kp, float* C0, float* C1, int64_t ldc) {
-  if (M > kt::kPairRows) {
-    gemm_rows<D>(M, A0, lda, block0, scales0, group, kp, C0, ldc);
-    gemm_rows<D>(M, A1, lda, block1, scales1, group, kp, C1, ldc);
-    return;
-  }
-  if (M <= 0) return;
-  alignas(32) float buf[2][kt::kPairRows * kKC];
-  for (int k0 = 0; k0 < kp; k0 += kKC) {
-    const int kc = std::min(kKC, kp - k0);
-    rows_to_f32(M, A0 + k0, lda, kc, buf[0]);
-    if (A1 != A0) rows_to_f32(M, A1 + k0, lda, kc, buf[1]);  // gate/up share their input rows
-    const float* const a[2] = {buf[0], A1 != A0 ? buf[1] : buf[0]};
-    const int64_t off = static_cast<int64_t>(k0 / 2) * D::kRowBytes;
-    const uint8_t* const b[2] = {block0 + off, block1 + off};
-    const float* const s[2] = {chunk_scales(scales0, group, k0), chunk_scales(scales1, group, k0)};
-    float* const c[2] = {C0, C1};
-    switch (M) {
-      case 1: gemm_chunk<D, 1, 2, 4>(a, kc, b, c, s, ldc, k0 == 0); break;
-      case 2: gemm_chunk<D, 2, 2, 2>(a, kc, b, c, s, ldc, k0 == 0); break;
-      default: gemm_chunk<D, 3, 2, 1>(a, kc, b, c, s, ldc, k0 == 0); break;
     }
   }
 }
@@ -246,9 +212,11 @@ void gemm_block_avx2(int M, const bf16* A, int64_t lda, const bf16* block, int k
   gemm_rows<Bf16Row>(M, A, lda, bytes(block), nullptr, kp, kp, C, ldc);
 }
 
+// The pair contract (Kernels::gemm_block_pair) is met one block after the other (see kKC).
 void gemm_block_pair_avx2(int M, const bf16* A0, const bf16* A1, int64_t lda, const bf16* block0, const bf16* block1,
                           int kp, float* C0, float* C1, int64_t ldc) {
-  gemm_pair_rows<Bf16Row>(M, A0, A1, lda, bytes(block0), bytes(block1), nullptr, nullptr, kp, kp, C0, C1, ldc);
+  gemm_block_avx2(M, A0, lda, block0, kp, C0, ldc);
+  gemm_block_avx2(M, A1, lda, block1, kp, C1, ldc);
 }
 
 // Integer formats (int8, int4): weights decoded to int16 in registers, input rows quantized to int16 once per call
@@ -332,22 +300,12 @@ void igemm_rows(int M, const bf16* A, int64_t lda, const kt::Int16Rows* Xq, cons
   }
 }
 
-template <class D>
-void qgemm(int M, const bf16* A, int64_t lda, const kt::Layout& l, kt::Block b, float* C, int64_t ldc) {
-  gemm_rows<D>(M, A, lda, b.w, b.s, l.group, l.kp, C, ldc);
-}
-template <class D>
-void qgemm_pair(int M, const bf16* A0, const bf16* A1, int64_t lda, const kt::Layout& l, kt::Block b0, kt::Block b1,
-                float* C0, float* C1, int64_t ldc) {
-  gemm_pair_rows<D>(M, A0, A1, lda, b0.w, b1.w, b0.s, b1.s, l.group, l.kp, C0, C1, ldc);
-}
-
 void qgemm_block_avx2(int M, const bf16* A, int64_t lda, const kt::Int16Rows* X, const kt::Layout& l, kt::Block b,
                       float* C, int64_t ldc) {
   switch (l.fmt) {
     case kt::Format::int8: return igemm_rows<Int8W>(M, A, lda, X, l, b, C, ldc);
     case kt::Format::int4: return igemm_rows<Int4W>(M, A, lda, X, l, b, C, ldc);
-    case kt::Format::fp8: return qgemm<Fp8Row>(M, A, lda, l, b, C, ldc);
+    case kt::Format::fp8: return gemm_rows<Fp8Row>(M, A, lda, b.w, b.s, l.group, l.kp, C, ldc);
     case kt::Format::bf16: return gemm_rows<Bf16Row>(M, A, lda, b.w, nullptr, l.kp, l.kp, C, ldc);
   }
 }
@@ -355,17 +313,8 @@ void qgemm_block_avx2(int M, const bf16* A, int64_t lda, const kt::Int16Rows* X,
 void qgemm_block_pair_avx2(int M, const bf16* A0, const bf16* A1, int64_t lda, const kt::Int16Rows* X0,
                            const kt::Int16Rows* X1, const kt::Layout& l, kt::Block b0, kt::Block b1, float* C0,
                            float* C1, int64_t ldc) {
-  switch (l.fmt) {
-    case kt::Format::int8:
-      igemm_rows<Int8W>(M, A0, lda, X0, l, b0, C0, ldc);
-      return igemm_rows<Int8W>(M, A1, lda, X1, l, b1, C1, ldc);
-    case kt::Format::int4:
-      igemm_rows<Int4W>(M, A0, lda, X0, l, b0, C0, ldc);
-      return igemm_rows<Int4W>(M, A1, lda, X1, l, b1, C1, ldc);
-    case kt::Format::fp8: return qgemm_pair<Fp8Row>(M, A0, A1, lda, l, b0, b1, C0, C1, ldc);
-    case kt::Format::bf16:
-      return gemm_pair_rows<Bf16Row>(M, A0, A1, lda, b0.w, b1.w, nullptr, nullptr, l.kp, l.kp, C0, C1, ldc);
-  }
+  qgemm_block_avx2(M, A0, lda, X0, l, b0, C0, ldc);
+  qgemm_block_avx2(M, A1, lda, X1, l, b1, C1, ldc);
 }
 
 // ------------------------------------------------------------------------------------------------ LoRA
