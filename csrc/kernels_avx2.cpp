@@ -62,7 +62,7 @@ inline float hsum(__m256 v) {
 // and the chunk's rows of each block stay in L1 while the column passes and row groups go over it. Scale groups
 // of the quantized formats are multiples of kKC, so a chunk has one scale. One block at a time, each row read
 // whole by one pass where the registers allow: on Zen 3 (EPYC Milan), MoE decode ran 11-14% (T=1) and 6-11%
-// (T=8) faster so than with two blocks streamed side by side in passes over parts of each row.
+// (T=8) faster that way than with two blocks streamed side by side in passes over parts of each row.
 constexpr int kKC = 64;
 
 // Fixed-count loops over accumulators are unrolled before scalar replacement runs, or GCC keeps the accumulator
