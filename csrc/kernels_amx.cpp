@@ -1,8 +1,12 @@
 // AMX-BF16 table (Sapphire Rapids and later). Built with -mamx-tile -mamx-bf16 plus the AVX512 flags; only
 // called after cpu_has_amx_bf16() said yes (which also asked the kernel for the tile-data permission).
-// Only the packed GEMM block uses tiles, and only for M >= kAmxMinRows: a block row of kernels.h's layout
-// is 16 columns × 2 K values (64 bytes), so an AMX B tile is 16 consecutive K pairs read with a 256-byte
-// stride, straight from the packed weights. Everything else is the AVX512-BF16 table.
+// Only the packed GEMM block uses tiles, for every row count: a block row of kernels.h's layout is 16 columns ×
+// 2 K values (64 bytes), so an AMX B tile is 16 consecutive K pairs read with a 256-byte stride, straight from
+// the packed weights. Everything else is the AVX512-BF16 table.
+// Tiles even for one row: TDPBF16PS and VDPBF16PS round differently (vdpbf16ps is two fused multiply-adds, odd
+// K first; the tile sums match neither order), so a row's result would depend on how many rows share its
+// expert, i.e. on what a request is batched with. One row is still memory-bound on tiles (one 1 KiB B tile per
+// TDPBF16PS).
 #include <immintrin.h>
 
 #include <cstdint>
@@ -14,8 +18,6 @@ namespace {
 
 using kt::bf16;
 using kt::kBlockN;
-
-constexpr int kAmxMinRows = 8;  // below this the AVX512 kernel (memory-bound anyway) is as fast
 
 struct alignas(64) TileConfig {
   uint8_t palette_id = 1;
@@ -98,9 +100,11 @@ inline void tile_1x4(const bf16* A, int64_t lda, const bf16* block, int kp, floa
 
 const kt::Kernels* g_avx512 = nullptr;
 
-// Requires kp % 32 == 0 (PackedWeights pads K to 32) and A rows readable up to kp.
+// A rows readable up to kp. kp % 32 == 0 always (PackedWeights pads K to 32, decoded chunks are whole groups);
+// the AVX512 kernel would take any other.
 void gemm_block_amx(int M, const bf16* A, int64_t lda, const bf16* block, int kp, float* C, int64_t ldc) {
-  if (M < kAmxMinRows || kp % 32 != 0) return g_avx512->gemm_block(M, A, lda, block, kp, C, ldc);
+  if (M <= 0) return;
+  if (kp % 32 != 0) return g_avx512->gemm_block(M, A, lda, block, kp, C, ldc);
   int m = 0;
   for (; M - m >= 32; m += 32) {
     configure(16, 16);
@@ -112,18 +116,15 @@ void gemm_block_amx(int M, const bf16* A, int64_t lda, const bf16* block, int kp
     configure(16, a1);
     tile_2x2(A + m * lda, lda, block, kp, 0, C + m * ldc, ldc);
     tile_2x2(A + m * lda, lda, block, kp, 2, C + m * ldc, ldc);
-  } else if (M - m >= kAmxMinRows) {
+  } else if (M - m > 0) {
     configure(M - m, 0);
     tile_1x4(A + m * lda, lda, block, kp, C + m * ldc, ldc);
-  } else if (M - m > 0) {
-    g_avx512->gemm_block(M - m, A + m * lda, lda, block, kp, C + m * ldc, ldc);
   }
   _tile_release();  // no tile state left for context switches to save
 }
 
 void gemm_block_pair_amx(int M, const bf16* A0, const bf16* A1, int64_t lda, const bf16* block0, const bf16* block1,
                          int kp, float* C0, float* C1, int64_t ldc) {
-  if (M < kAmxMinRows) return g_avx512->gemm_block_pair(M, A0, A1, lda, block0, block1, kp, C0, C1, ldc);
   gemm_block_amx(M, A0, lda, block0, kp, C0, ldc);
   gemm_block_amx(M, A1, lda, block1, kp, C1, ldc);
 }
