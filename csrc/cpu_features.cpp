@@ -57,6 +57,23 @@ bool cpu_has_avx512_vbmi() {
 #endif
 }
 
+bool fp8_lanes_decoder() {
+  const char* env = std::getenv("KT_SERVE_FP8_DECODER");
+  if (env && *env) {
+    const std::string want = env;
+    if (want != "lanes" && want != "lookup")
+      throw std::invalid_argument("KT_SERVE_FP8_DECODER: expected lanes or lookup, got '" + want + "'");
+    return want == "lanes";
+  }
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned a, b, c, d;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+  return b == 0x756e6547 && d == 0x49656e69 && c == 0x6c65746e;  // vendor "GenuineIntel"
+#else
+  return false;
+#endif
+}
+
 bool cpu_has_amx_bf16() {
 #if defined(__x86_64__) && defined(SYS_arch_prctl)
   static const bool ok = [] {

@@ -146,6 +146,10 @@ bool cpu_has_avx2_fma();
 bool cpu_has_avx512_bf16();
 bool cpu_has_amx_bf16();
 bool cpu_has_avx512_vbmi();         // byte permutes: the fp8 row decoder of the AVX512 table uses them
+// Which VBMI fp8 decoder the AVX512 tables run (kernels_avx512_vbmi.cpp): KT_SERVE_FP8_DECODER=lanes|lookup, by
+// default lanes on Intel CPUs (their two-source byte permutes, which the lookup decoder is made of, are slow)
+// and lookup elsewhere (measured on Zen 4). Throws on another value.
+bool fp8_lanes_decoder();
 bool kernels_avx512_vbmi_built();   // whether this build has that decoder  // also obtains the Linux permission to use tile data
 
 }  // namespace kt

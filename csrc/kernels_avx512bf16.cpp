@@ -86,7 +86,8 @@ void gemm_block_pair_avx512(int M, const bf16* A0, const bf16* A1, int64_t lda, 
   }
 }
 
-bool g_vbmi = false;  // set with the table: the CPU has AVX512-VBMI, fp8 rows take the byte-lookup decoder
+bool g_vbmi = false;  // set with the table: the CPU has AVX512-VBMI, fp8 rows take a VBMI decoder
+bool g_fp8_lanes = false;  // which one decodes the rows of decode (kernels_avx512_vbmi.cpp): lanes, else lookup
 
 void qgemm_block_avx512(int M, const bf16* A, int64_t lda, const kt::Int16Rows* X, const kt::Layout& l, kt::Block b,
                         float* C, int64_t ldc) {
@@ -94,7 +95,8 @@ void qgemm_block_avx512(int M, const bf16* A, int64_t lda, const kt::Int16Rows* 
     case kt::Format::int8: return igemm_rows<Int8W>(M, A, lda, X, l, b, C, ldc);
     case kt::Format::int4: return igemm_rows<Int4W>(M, A, lda, X, l, b, C, ldc);
     case kt::Format::fp8:
-      return g_vbmi ? kt::qgemm_fp8_vbmi(M, A, lda, l, b, C, ldc) : qgemm_rows<Fp8Row>(M, A, lda, l, b, C, ldc);
+      return g_vbmi ? kt::qgemm_fp8_vbmi(g_fp8_lanes, M, A, lda, l, b, C, ldc)
+                    : qgemm_rows<Fp8Row>(M, A, lda, l, b, C, ldc);
     case kt::Format::bf16: return gemm_block_avx512(M, A, lda, reinterpret_cast<const bf16*>(b.w), l.kp, C, ldc);
   }
 }
@@ -116,7 +118,7 @@ void qgemm_block_pair_avx512(int M, const bf16* A0, const bf16* A1, int64_t lda,
     case kt::Format::int8: return igemm_pair_rows<Int8W>(M, A0, A1, lda, X0, X1, l, b0, b1, C0, C1, ldc);
     case kt::Format::int4: return igemm_pair_rows<Int4W>(M, A0, A1, lda, X0, X1, l, b0, b1, C0, C1, ldc);
     case kt::Format::fp8:
-      return g_vbmi ? kt::qgemm_pair_fp8_vbmi(M, A0, A1, lda, l, b0, b1, C0, C1, ldc)
+      return g_vbmi ? kt::qgemm_pair_fp8_vbmi(g_fp8_lanes, M, A0, A1, lda, l, b0, b1, C0, C1, ldc)
                     : qgemm_pair_rows<Fp8Row>(M, A0, A1, lda, l, b0, b1, C0, C1, ldc);
     case kt::Format::bf16:
       return gemm_block_pair_avx512(M, A0, A1, lda, reinterpret_cast<const bf16*>(b0.w),
@@ -263,6 +265,7 @@ const Kernels* kernels_avx512_bf16() {
   // KT_SERVE_AVX512_VBMI=0 keeps the shift decoder (how the tests reach it on a VBMI machine)
   const char* vbmi = std::getenv("KT_SERVE_AVX512_VBMI");
   g_vbmi = cpu_has_avx512_vbmi() && kernels_avx512_vbmi_built() && !(vbmi && std::string(vbmi) == "0");
+  g_fp8_lanes = fp8_lanes_decoder();
   static const Kernels k{"avx512_bf16",         gemm_block_avx512,      gemm_block_pair_avx512, lora_a_bf16_avx512,
                          lora_a_f32_avx512,     lora_b_add_avx512,      outer_acc_bf16_generic,
                          outer_acc_f32_generic, swiglu_avx512,          swiglu_backward_avx512, qgemm_block_avx512,

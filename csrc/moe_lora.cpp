@@ -28,8 +28,8 @@ const float* e4m3_table() {
 }
 
 // Packs one matrix of every expert: N × K values at src + e·estride (bf16 or e4m3 + block scales).
-void pack_matrix(PackedWeights& W, const ExpertWeights& w, const void* src, int64_t estride, const float* scale,
-                 int64_t sstride) {
+void pack_matrix(PackedWeights& W, const char* what, const ExpertWeights& w, const void* src, int64_t estride,
+                 const float* scale, int64_t sstride) {
   const int N = W.N, K = W.K, bn = w.block_n, bk = w.block_k;
   const int64_t ld_scale = (K + bk - 1) / bk;
   global_pool()->parallel_for(W.E, [&](int64_t e) {
@@ -41,7 +41,7 @@ void pack_matrix(PackedWeights& W, const ExpertWeights& w, const void* src, int6
     }
     const uint8_t* p = static_cast<const uint8_t*>(src) + e * estride;
     const float* s = scale + e * sstride;
-    if (W.layout.fmt == Format::fp8) return W.pack_fp8(ei, p, K, s, ld_scale, bn);
+    if (W.layout.fmt == Format::fp8) return W.pack_fp8(ei, p, K, s, ld_scale, bn, what);
     const float* lut = e4m3_table();
     W.pack(ei, [&](int n, int k) { return lut[p[static_cast<int64_t>(n) * K + k]] * s[(n / bn) * ld_scale + k / bk]; });
   });
@@ -63,9 +63,9 @@ MoELoRA::MoELoRA(int E, int H, int I, const ExpertWeights& w, Format fmt, int gr
   gate_.init(E, I, H, fmt, group);
   up_.init(E, I, H, fmt, group);
   down_.init(E, H, I, fmt, group);
-  pack_matrix(gate_, w, w.gate, w.gate_estride, w.gate_scale, w.gate_sstride);
-  pack_matrix(up_, w, w.up, w.up_estride, w.up_scale, w.up_sstride);
-  pack_matrix(down_, w, w.down, w.down_estride, w.down_scale, w.down_sstride);
+  pack_matrix(gate_, "gate_proj", w, w.gate, w.gate_estride, w.gate_scale, w.gate_sstride);
+  pack_matrix(up_, "up_proj", w, w.up, w.up_estride, w.up_scale, w.up_sstride);
+  pack_matrix(down_, "down_proj", w, w.down, w.down_estride, w.down_scale, w.down_sstride);
   slots_.resize(max_slots);
   grads_.resize(max_slots);
 }

@@ -125,7 +125,8 @@ void PackedWeights::quantize_block(int e, int b, const float* tile) {
   }
 }
 
-void PackedWeights::pack_fp8(int e, const uint8_t* w, int64_t ldw, const float* scale_inv, int64_t ld_scale, int bn) {
+void PackedWeights::pack_fp8(int e, const uint8_t* w, int64_t ldw, const float* scale_inv, int64_t ld_scale, int bn,
+                             const char* what) {
   const Layout& l = layout;
   if (l.fmt != Format::fp8) fail("pack_fp8: these weights are not fp8");
   if (bn < 1) fail("pack_fp8: block rows must be >= 1");
@@ -138,11 +139,19 @@ void PackedWeights::pack_fp8(int e, const uint8_t* w, int64_t ldw, const float* 
         const int n = b * kBlockN + c;
         s[g * kBlockN + c] = n < N ? scale_inv[static_cast<int64_t>(n / bn) * ld_scale + g] : 1.f;
       }
+    uint8_t nan = 0;
     for (int kk = 0; kk < l.kp / 2; ++kk)
       for (int i = 0; i < 2 * kBlockN; ++i) {
         const int n = b * kBlockN + i / 2, k = 2 * kk + i % 2;
-        dst[static_cast<size_t>(kk) * l.row_bytes() + i] = (n < N && k < K) ? w[static_cast<int64_t>(n) * ldw + k] : 0;
+        const uint8_t v = (n < N && k < K) ? w[static_cast<int64_t>(n) * ldw + k] : 0;
+        nan |= (v & 0x7f) == 0x7f;
+        dst[static_cast<size_t>(kk) * l.row_bytes() + i] = v;
       }
+    // weights are finite in any sound checkpoint, and the decoders of the fast tables may assume it
+    if (nan)
+      fail(std::string(what) + " of expert " + std::to_string(e) + ": e4m3 NaN codes (0x7f / 0xff) in output rows " +
+           std::to_string(b * kBlockN) + "-" + std::to_string(std::min(N, (b + 1) * kBlockN) - 1) +
+           ": the FP8 checkpoint is corrupt");
   }
 }
 

@@ -44,7 +44,9 @@ struct PackedWeights {
   // Packs fp8 expert e as a checkpoint stores it (layout.fmt must be fp8 with group = bk): e4m3 bytes
   // w[n * ldw + k], and scale_inv[(n / bn) * ld_scale + k / bk], the fp32 dequantization scale of each
   // bn × bk block. The bytes are copied, not re-rounded.
-  void pack_fp8(int e, const uint8_t* w, int64_t ldw, const float* scale_inv, int64_t ld_scale, int bn);
+  // Refuses NaN codes, naming `what` (the matrix: gate_proj, ...).
+  void pack_fp8(int e, const uint8_t* w, int64_t ldw, const float* scale_inv, int64_t ld_scale, int bn,
+                const char* what);
 
   float at(int e, int n, int k) const;  // the dequantized value W[n][k] of expert e
   size_t bytes() const { return data.bytes() + scales.bytes(); }

@@ -17,6 +17,7 @@
 import pytest
 import torch
 
+from kt_serve import _kernel
 from kt_serve.kernel import KT_NAMES, ExpertLoRA, MoEExperts, MoELoRAExperts, num_threads, set_num_threads
 from moe_reference import moe_lora_reference
 from quant_reference import FP8, ref_fp8, ref_int4, ref_int8, ref_quantize
@@ -428,12 +429,16 @@ def test_backward_no_tokens(isa):
 # 3. The fp8 decoders
 
 
+@pytest.mark.parametrize("decoder", ["lanes", "lookup"])
 @pytest.mark.parametrize("isa", ISAS)
-def test_fp8_vbmi_and_shift_decoders(isa, monkeypatch):
-    """On AVX512 CPUs with VBMI the fp8 rows are decoded by byte lookups unless KT_SERVE_AVX512_VBMI=0 (read when
-    a MoEExperts is made) keeps the shift decoder; both decode exactly, so both give the reference and the same
-    bits: 7 tokens (1-3 rows per expert, decoded in registers) and 40 with a hot expert (decoded to bf16 rows).
-    The checkpoint holds every e4m3 code. (Without AVX512 the variable changes nothing, and the same holds.)"""
+def test_fp8_vbmi_and_shift_decoders(isa, decoder, monkeypatch):
+    """On AVX512 CPUs with VBMI the fp8 rows are decoded by one of two VBMI decoders (KT_SERVE_FP8_DECODER: byte
+    lookups, or shifts with lookups for exponent-0 codes and in-lane unpacks) unless KT_SERVE_AVX512_VBMI=0 (both
+    read when a MoEExperts is made) keeps the shift decoder; all decode exactly, so all give the reference and the
+    same bits: 7 tokens (1-3 rows per expert, decoded in registers) and 40 with a hot expert (decoded to bf16
+    rows). The checkpoint holds every non-NaN e4m3 code. (Without AVX512 the variables change nothing, and the
+    same holds.)"""
+    monkeypatch.setenv("KT_SERVE_FP8_DECODER", decoder)
     E, H, I = 8, 300, 130
     kw, _, _ = base_weights(("fp8", 128, (128, 128)), E, H, I, seed=80)
     assert kw["gate_proj"].view(torch.uint8).unique().numel() == 254
@@ -459,6 +464,23 @@ def test_fp8_vbmi_and_shift_decoders(isa, monkeypatch):
                     assert rel_l2(y[t], ref[t]) <= TOL, (env, T, t)
                 outs.append(y)
     assert all(torch.equal(a, b) for a, b in zip(outs[:4], outs[4:]))
+
+
+def test_fp8_nan_codes_are_refused_and_the_decoder_setting_checked(monkeypatch):
+    """A NaN code (0x7f / 0xff) in an FP8 checkpoint's experts is a corrupt file: refused at packing, naming the
+    matrix, the expert and its rows, whichever format it is packed in. A bad decoder name is refused too."""
+    E, H, I = 2, 256, 128
+    (gw, gs), (uw, us), (dw, ds) = (make_fp8_checkpoint(E, n, k, (128, 128), seed=s)
+                                    for s, (n, k) in enumerate([(I, H), (I, H), (H, I)]))
+    kw = dict(gate_scale_inv=gs, up_scale_inv=us, down_scale_inv=ds, weight_block_size=[128, 128], group_size=128)
+    bad = uw.view(torch.uint8).clone()
+    bad[1, 70, 3] = 0xFF
+    with pytest.raises(ValueError, match=r"up_proj of expert 1: e4m3 NaN codes \(0x7f / 0xff\) in output rows 64-127"):
+        MoEExperts(gw, bad.view(FP8), dw, weight_format="fp8", **kw)
+    if _kernel.has_avx512_bf16():  # elsewhere no table reads the setting
+        monkeypatch.setenv("KT_SERVE_FP8_DECODER", "fast")
+        with pytest.raises(ValueError, match="KT_SERVE_FP8_DECODER: expected lanes or lookup, got 'fast'"):
+            MoEExperts(gw, uw, dw, weight_format="fp8", isa="avx512_bf16", **kw)
 
 
 @pytest.mark.parametrize("vbmi", ["0", "default"], ids=["vbmi0", "vbmi-default"])
