@@ -220,6 +220,9 @@ PYBIND11_MODULE(_kernel, m) {
   m.def("set_num_threads", &kt::set_num_threads, py::arg("n"),
         "Size of the global worker pool (caller included); n < 1 means the default (physical cores).");
   m.def("num_threads", [] { return kt::global_pool()->num_threads(); });
+  m.def("set_idle_spin_us", &kt::set_idle_spin_us, py::arg("us"),
+        "How long workers poll for the next call before they sleep, in microseconds (0: at once).");
+  m.def("idle_spin_us", &kt::idle_spin_us);
   m.def("default_num_threads", &kt::default_num_threads);
   m.def("cpu_isa", [] { return std::string(kt::select_kernels("auto").name); },
         "The kernel table chosen for this CPU (honours KT_SERVE_ISA).");

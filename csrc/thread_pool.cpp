@@ -4,7 +4,9 @@
 
 #include <sched.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <fstream>
 #include <memory>
 #include <set>
@@ -22,9 +24,38 @@ inline void cpu_relax() {
   std::this_thread::yield();
 #endif
 }
+
+// KT_SERVE_IDLE_SPIN_US: how long workers poll for the next call before they sleep (default 1000; 0: at once).
+int idle_spin_us_from_env() {
+  const char* v = std::getenv("KT_SERVE_IDLE_SPIN_US");
+  if (!v || !*v) return 1000;
+  char* end = nullptr;
+  const long us = std::strtol(v, &end, 10);
+  if (*end != '\0' || us < 0 || us > 1000000)
+    throw std::invalid_argument(std::string("KT_SERVE_IDLE_SPIN_US: expected microseconds in 0..1000000, got '") + v +
+                                "'");
+  return static_cast<int>(us);
+}
+
+std::atomic<int> g_idle_spin_us{-1};  // -1: the environment not read yet
 }  // namespace
 
+void set_idle_spin_us(int us) {
+  if (us < 0 || us > 1000000) throw std::invalid_argument("idle spin: expected microseconds in 0..1000000");
+  g_idle_spin_us.store(us);
+}
+int idle_spin_us() {
+  int us = g_idle_spin_us.load();
+  if (us < 0) {
+    int unread = -1;
+    g_idle_spin_us.compare_exchange_strong(unread, idle_spin_us_from_env());  // throws on a bad value
+    us = g_idle_spin_us.load();
+  }
+  return us;
+}
+
 ThreadPool::ThreadPool(int num_threads) {
+  idle_spin_us();  // a bad KT_SERVE_IDLE_SPIN_US fails here, in the call that makes the pool, not in a worker
   for (int i = 1; i < num_threads; ++i) workers_.emplace_back([this] { worker_loop(); });
 }
 
@@ -70,11 +101,17 @@ void ThreadPool::worker_loop() {
   for (;;) {
     while (run_one(seen)) {
     }
-    // Within a call (see Busy) spin for the next phase, so a multi-phase call does not pay a wake-up per phase;
-    // the time limit only guards against a caller stalled between phases.
-    const auto spin_until = std::chrono::steady_clock::now() + std::chrono::milliseconds(1);
-    while (!new_job() && busy_.load(std::memory_order_relaxed) > 0 && std::chrono::steady_clock::now() < spin_until)
-      cpu_relax();
+    // Poll for the next job before sleeping: within a call (see Busy) for its next phase, between calls for
+    // idle_spin_us_. After the first kPausePoll the poll yields the core to any thread that wants it.
+    const auto ended = std::chrono::steady_clock::now();
+    const auto idle_until = ended + std::chrono::microseconds(g_idle_spin_us.load(std::memory_order_relaxed));
+    const auto phase_until = std::max(idle_until, ended + kPhaseSpin);
+    for (;;) {
+      const auto now = std::chrono::steady_clock::now();
+      if (new_job() || now >= (busy_.load(std::memory_order_relaxed) > 0 ? phase_until : idle_until)) break;
+      if (now - ended < kPausePoll) cpu_relax();
+      else std::this_thread::yield();
+    }
     if (new_job()) continue;
     std::unique_lock<std::mutex> lk(mu_);
     sleeping_.fetch_add(1);  // seq_cst, paired with the caller's publish-then-check in parallel_for

@@ -1,6 +1,8 @@
-// A small fork-join pool: the calling thread works too, idle workers sleep (no busy-waiting between calls).
+// A small fork-join pool: the calling thread works too. After a job, workers poll for the next one for a while
+// (set_idle_spin_us) before they sleep.
 #pragma once
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -25,8 +27,7 @@ class ThreadPool {
   void parallel_for(int64_t n_tasks, const std::function<void(int64_t)>& fn);
 
   // Held across the phases of one kernel call: while one is alive, workers wait for the next job spinning
-  // (phases follow each other within microseconds). Otherwise they sleep as soon as a job ends and leave the
-  // cores to the other pools of the process: between our calls torch's OpenMP threads run the rest of the model.
+  // (phases follow each other within microseconds), however short the idle spin is.
   class Busy {
    public:
     explicit Busy(ThreadPool& pool) : pool_(pool) { pool_.busy_.fetch_add(1); }
@@ -41,6 +42,12 @@ class ThreadPool {
  private:
   using Fn = std::function<void(int64_t)>;
   static constexpr uint32_t kClosed = 0xffffffffu;
+  // Between calls: a decode step calls us a dozen times or more, 0.1-0.5 ms of Python apart, and waking a
+  // sleeping worker (a futex wake; on a VM the halted vCPU too) added 35-40 µs to each decode-sized call
+  // (measured on a 2-core Zen 3 VM). After kPausePoll the poll calls sched_yield, so a thread that wants the
+  // core (torch's OpenMP team between our calls) runs first.
+  static constexpr std::chrono::microseconds kPausePoll{50};
+  static constexpr std::chrono::milliseconds kPhaseSpin{1};  // the most a phase waits spinning, the caller stalled
 
   void worker_loop();
   bool run_one(uint64_t& exhausted_gen);
@@ -66,6 +73,10 @@ class ThreadPool {
 // The process-wide pool; resized by set_num_threads (default: physical cores available to this process).
 std::shared_ptr<ThreadPool> global_pool();
 void set_num_threads(int n);
+// How long workers poll for the next job after one ends, in µs (0: they sleep at once), for every pool of the
+// process; the default is KT_SERVE_IDLE_SPIN_US, else 1000.
+void set_idle_spin_us(int us);
+int idle_spin_us();
 int default_num_threads();
 
 }  // namespace kt

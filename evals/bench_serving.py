@@ -21,6 +21,7 @@ after row, --repeats times, the median run kept, so a slow drift of the machine 
   kt base       routed experts in the kt_serve kernel, no adapter (on a CPU host the dense layers and lm_head too)
   kt cpu ops off  "kt base" with --kt-cpu-ops off: dense layers, lm_head, RMSNorm and attention as SGLang runs them
   kt torch attn "kt base" with --attention-backend torch_native: SGLang's attention instead of the plugin's kt_cpu
+  kt spin off   "kt base" with KT_SERVE_IDLE_SPIN_US=0: kernel workers sleep as soon as a call ends (each call wakes them)
   kt expert     ... with --kt-expert-lora-path (every request gets the expert LoRA)
   kt mixed      ... --enable-lora with two composite adapters; requests cycle base / :a / :b
   kt int8 / kt int4 / kt fp8   "kt base" with --kt-expert-dtype int8 / int4 / fp8 (experts quantized at load)
@@ -322,7 +323,12 @@ def main(argv=None):
     if a.rows is None:
         a.rows = ["kt moe off" if qwen35 else "sglang", "kt base", "kt expert", "kt mixed", *LLAMA_ROWS]
     out = Path(a.out or tempfile.mkdtemp(prefix="kt_bench_"))
-    moe_rows = moe_layer_bench(a)
+    # in a child process: its weights (about 10 GB at the qwen3-30b-a3b shapes) are then given back before the
+    # servers start (this process kept about that much resident through the run when it ran them itself)
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        moe_rows = pool.submit(moe_layer_bench, a).result()
     if a.moe_only:
         return
     attention = {} if a.heads is None else dict(num_attention_heads=a.heads[0], num_key_value_heads=a.heads[1],
@@ -352,6 +358,7 @@ def main(argv=None):
         "kt moe off": (["--kt-moe", "off"], {}, [model]),
         "kt cpu ops off": (["--kt-cpu-ops", "off"], {}, [model]),
         "kt torch attn": (["--attention-backend", "torch_native"], {}, [model]),
+        "kt spin off": ([], {"KT_SERVE_IDLE_SPIN_US": "0"}, [model]),
         "kt expert": (["--kt-expert-lora-path", str(expert)], {}, [model]),
         "kt mixed": (lora + ["--lora-paths", f"a={comp_a}", f"b={comp_b}"], {}, [model, f"{model}:a", f"{model}:b"]),
         **{f"kt {fmt}": (["--kt-expert-dtype", fmt], {}, [model]) for fmt in ("int8", "int4", "fp8")},

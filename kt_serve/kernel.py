@@ -34,7 +34,7 @@ from kt_serve.kernel_weights import WEIGHT_FORMATS, as_bf16 as _as_bf16, expect 
 
 __all__ = [
     "ExpertLoRA", "MoEExperts", "MoELoRAExperts", "dropout_keep_mask", "expert_checkpoint_contexts", "set_num_threads",
-    "num_threads", "cpu_isa",
+    "num_threads", "set_idle_spin_us", "idle_spin_us", "cpu_isa",
 ]
 
 LORA_FIELDS = ("gate_a", "gate_b", "up_a", "up_b", "down_a", "down_b")
@@ -49,6 +49,18 @@ def set_num_threads(n: int) -> None:
 
 def num_threads() -> int:
     return _kernel.num_threads()
+
+
+def set_idle_spin_us(us: int) -> None:
+    """How long the kernel's workers poll for the next call before they sleep, in microseconds: a decode step
+    makes a dozen calls or more a fraction of a millisecond apart, and each wake-up of a sleeping worker costs
+    tens of microseconds. Default ``KT_SERVE_IDLE_SPIN_US``, else 1000; 0 sleeps at once (a host whose cores
+    other work needs). The poll yields the core to any other runnable thread after its first 50 µs."""
+    _kernel.set_idle_spin_us(int(us))
+
+
+def idle_spin_us() -> int:
+    return _kernel.idle_spin_us()
 
 
 def cpu_isa() -> str:

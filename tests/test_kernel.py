@@ -6,13 +6,17 @@ rel-L2 ≤ 1e-2, which bf16 inputs/intermediates (≈2⁻⁸ relative rounding) 
 wrong index, transpose or missing term lands far above it (the LoRA terms below change outputs by >20%).
 """
 
+import os
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 import torch
 
 from kt_serve import _kernel
-from kt_serve.kernel import KT_NAMES, ExpertLoRA, MoEExperts, MoELoRAExperts
+from kt_serve.kernel import KT_NAMES, ExpertLoRA, MoEExperts, MoELoRAExperts, set_idle_spin_us
 from moe_reference import moe_lora_reference
 
 ISAS = (["portable"] + (["avx2"] if _kernel.has_avx2() else [])
@@ -314,6 +318,41 @@ def test_replacing_a_slot_does_not_disturb_other_slots_in_flight():
     for t in threads:
         t.join()
     assert not errors
+
+
+@pytest.mark.parametrize("idle_spin_us", [0, 1000])
+def test_workers_that_sleep_or_poll_between_calls_give_the_reference(idle_spin_us):
+    """0: workers sleep as soon as a call ends and each call wakes them; 1000: they poll for the next call. Calls
+    2 ms apart (past the poll, so polling workers fall asleep too) and back to back."""
+    E, H, I, r, T, k = 8, 130, 66, 4, 7, 3
+    gate, up, down = make_weights(E, H, I, seed=80)
+    lo = make_lora(E, H, I, r, seed=81)
+    x = torch.randn(T, H).to(torch.bfloat16)
+    ids, w = routing(T, k, E, seed=82)
+    ref = moe_lora_reference(x, ids, w, gate, up, down, lora=lo)
+    m = MoEExperts(gate, up, down)
+    m.set_adapter(0, ExpertLoRA.from_kt(lo, lo["alpha"]))
+    before = _kernel.idle_spin_us()
+    set_idle_spin_us(idle_spin_us)
+    try:
+        assert _kernel.idle_spin_us() == idle_spin_us
+        for i in range(12):
+            if i % 2:
+                time.sleep(0.002)
+            assert rel_l2(m.forward_sft(x, ids, w, slots=0), ref) <= TOL
+    finally:
+        set_idle_spin_us(before)
+
+
+def test_idle_spin_setting_is_checked():
+    with pytest.raises(ValueError, match="idle spin: expected microseconds in 0..1000000"):
+        set_idle_spin_us(-1)
+    bad = subprocess.run([sys.executable, "-c", "import kt_serve._kernel as k; k.num_threads()"],
+                         env={**os.environ, "KT_SERVE_IDLE_SPIN_US": "fast"}, capture_output=True, text=True)
+    assert bad.returncode != 0 and "KT_SERVE_IDLE_SPIN_US: expected microseconds in 0..1000000, got 'fast'" in bad.stderr
+    ok = subprocess.run([sys.executable, "-c", "import kt_serve._kernel as k; print(k.idle_spin_us())"],
+                        env={**os.environ, "KT_SERVE_IDLE_SPIN_US": "250"}, capture_output=True, text=True, check=True)
+    assert ok.stdout.strip() == "250"
 
 
 def test_bad_inputs_raise_clear_errors():
