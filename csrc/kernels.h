@@ -144,12 +144,12 @@ const Kernels* kernels_avx2();         // nullptr when this build has no AVX2 pa
 const Kernels& select_kernels(const char* requested /* nullptr or "auto" = best */);
 bool cpu_has_avx2_fma();
 bool cpu_has_avx512_bf16();
-bool cpu_has_amx_bf16();
-bool cpu_has_avx512_vbmi();         // byte permutes: the fp8 row decoder of the AVX512 table uses them
+bool cpu_has_amx_bf16();            // also obtains the Linux permission to use tile data
+bool cpu_has_avx512_vbmi();         // byte permutes: the fp8 row decoders of the AVX512 tables use them
+bool kernels_avx512_vbmi_built();   // whether this build has those decoders
 // Which VBMI fp8 decoder the AVX512 tables run (kernels_avx512_vbmi.cpp): KT_SERVE_FP8_DECODER=lanes|lookup, by
 // default lanes on Intel CPUs (their two-source byte permutes, which the lookup decoder is made of, are slow)
 // and lookup elsewhere (measured on Zen 4). Throws on another value.
 bool fp8_lanes_decoder();
-bool kernels_avx512_vbmi_built();   // whether this build has that decoder  // also obtains the Linux permission to use tile data
 
 }  // namespace kt
