@@ -5,6 +5,7 @@
 // Arithmetic in fp32, one rounding to bf16 per output, as torch's bf16 addmm.
 #pragma once
 #include <cstdint>
+#include <stdexcept>
 
 #include "kernels.h"
 

@@ -12,6 +12,7 @@
 #pragma once
 #include <algorithm>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 

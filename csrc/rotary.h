@@ -5,6 +5,7 @@
 // In place; fp32 math, one rounding to bf16; the rest of each head is left as it is.
 #pragma once
 #include <cstdint>
+#include <stdexcept>
 
 #include "kernels.h"
 

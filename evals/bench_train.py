@@ -3,7 +3,10 @@
 in one process. Prints tokens/s (non-padding tokens through forward+backward+optimizer step), excluding the first
 (warm-up) step.
 
-    python evals/bench_train.py [--steps 6] [--threads N] [--shapes tiny,small,experts]
+    python evals/bench_train.py [--steps 6] [--threads N] [--shapes tiny,small,experts[,a3b]] [--dense-devices cpu,cuda]
+
+``--dense-devices`` times kt_serve.train once per device of the non-expert modules (the experts stay in the CPU
+kernel), each against the same reference run.
 
 ``--memory`` instead measures gradient checkpointing at a long cutoff_len: peak RSS and tokens/s of the same
 training steps without checkpointing, with it (experts recomputed), and with ``kt_cpu_activation: retain``, each
@@ -39,7 +42,11 @@ SHAPES = {
     "tiny": (dict(hidden_size=128, moe_intermediate_size=64, num_experts=8, top_k=2, num_layers=2), 8),
     "small": (dict(hidden_size=256, moe_intermediate_size=256, num_experts=16, top_k=4, num_layers=2), 8),
     "experts": (dict(hidden_size=512, moe_intermediate_size=1024, num_experts=32, top_k=8, num_layers=1), 8),
+    # Qwen3-30B-A3B's layer shapes, 2 layers (opt-in: 2.4 GB of bf16 experts, 4.8 GB more for the fp32 reference)
+    "a3b": (dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128, top_k=8, num_layers=2,
+                 num_attention_heads=32, num_key_value_heads=4, head_dim=128), 8),
 }
+DEFAULT_SHAPES = "tiny,small,experts"
 
 
 def tokens_per_s(timings):
@@ -47,25 +54,10 @@ def tokens_per_s(timings):
     return sum(n for _, n in timings[1:]) / seconds
 
 
-def bench_shape(name, root: Path, steps: int, threads: int | None):
-    model_kwargs, batch_size = SHAPES[name]
-    model_dir = build_tiny_moe(root / name, "qwen3_moe", **model_kwargs)
-    overrides = [f"model_name_or_path={model_dir}", f"output_dir={root / ('out-' + name)}", "dataset=pirate_alpaca",
-                 f"dataset_dir={DATA_DIR}", f"per_device_train_batch_size={batch_size}", f"max_steps={steps}",
-                 "lora_target=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "learning_rate=1e-3",
-                 "kt_config.dense_device=cpu", "disable_gradient_checkpointing=true"]  # the reference keeps all
-    if threads:
-        overrides.append(f"kt_config.threads={threads}")
-    cfg = load_config(None, overrides)
-    from transformers import AutoTokenizer
-
-    from kt_serve.kernel import set_num_threads
-
-    if threads:
-        set_num_threads(threads)
-    dataset = SFTDataset.build(cfg, AutoTokenizer.from_pretrained(model_dir))
+def time_kt_steps(cfg, dataset, steps: int):
+    """(timings, plan, initial LoRA) of ``steps`` optimizer steps of kt_serve.train under ``cfg``."""
     tm = TrainModel.load(cfg)
-    init = {ref.saved_name(n): p.detach().clone() for n, p in tm.named_trainable_parameters().items()}
+    init = {ref.saved_name(n): p.detach().to("cpu", copy=True) for n, p in tm.named_trainable_parameters().items()}
     trainer = Trainer(cfg, tm, dataset)
     plan = list(itertools.islice(trainer.plan.steps(), steps))
     timings = []
@@ -74,13 +66,40 @@ def bench_shape(name, root: Path, steps: int, threads: int | None):
         start = time.perf_counter()
         _, tokens = trainer.training_step(groups)
         trainer.optimizer_step()
+        if tm.device.type == "cuda":
+            torch.cuda.synchronize()
         timings.append((time.perf_counter() - start, tokens))
+    return timings, plan, init
+
+
+def bench_shape(name, root: Path, steps: int, threads: int | None, devices: list[str]):
+    model_kwargs, batch_size = SHAPES[name]
+    model_dir = build_tiny_moe(root / name, "qwen3_moe", **model_kwargs)
+    overrides = [f"model_name_or_path={model_dir}", f"output_dir={root / ('out-' + name)}", "dataset=pirate_alpaca",
+                 f"dataset_dir={DATA_DIR}", f"per_device_train_batch_size={batch_size}", f"max_steps={steps}",
+                 "lora_target=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "learning_rate=1e-3",
+                 "disable_gradient_checkpointing=true"]  # the reference keeps all activations too
+    if threads:
+        overrides.append(f"kt_config.threads={threads}")
+    from transformers import AutoTokenizer
+
+    from kt_serve.kernel import set_num_threads
+
+    if threads:
+        set_num_threads(threads)
+    kt = {}
+    for device in devices:
+        cfg = load_config(None, [*overrides, f"kt_config.dense_device={device}"])
+        dataset = SFTDataset.build(cfg, AutoTokenizer.from_pretrained(model_dir))
+        timings, plan, init = time_kt_steps(cfg, dataset, steps)
+        kt[device] = tokens_per_s(timings)
     batches = [[dataset.collate(mb) for mb in groups] for _, _, groups in plan]
     _, _, ref_timings = ref.train(model_dir, batches, init, alpha=cfg.lora_alpha, lr=cfg.learning_rate)
-    kt, pt = tokens_per_s(timings), tokens_per_s(ref_timings)
+    pt = tokens_per_s(ref_timings)
     shape = model_kwargs
+    cells = " | ".join(f"{kt[d]:,.0f} | {kt[d] / pt:.2f}x" for d in devices)
     print(f"| {name} | {shape['hidden_size']} | {shape['moe_intermediate_size']} | {shape['num_experts']}/{shape['top_k']} "
-          f"| {shape['num_layers']} | {timings[1][1]} | {kt:,.0f} | {pt:,.0f} | {kt / pt:.2f}x |", flush=True)
+          f"| {shape['num_layers']} | {timings[1][1]} | {pt:,.0f} | {cells} |", flush=True)
 
 
 # Checkpointing modes of --memory: config overrides of each.
@@ -167,7 +186,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--threads", type=int, default=None, help="kernel and torch threads (default: library defaults)")
-    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"comma list of {', '.join(SHAPES)}")
+    p.add_argument("--dense-devices", default="cpu", help="comma list of kt_config.dense_device values to time")
     p.add_argument("--memory", action="store_true", help="peak RSS with and without gradient checkpointing")
     p.add_argument("--cutoff-len", type=int, default=4096)
     p.add_argument("--layers", type=int, default=8, help="decoder layers of the --memory model")
@@ -186,11 +206,15 @@ def main(argv=None):
     if a.memory:
         bench_memory(a.cutoff_len, a.steps, a.layers)
         return
-    print("| shape | H | I | E/top-k | layers | tokens/step | kt_serve.train tok/s | reference tok/s | speed-up |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    devices = a.dense_devices.split(",")
+    if "cuda" in devices:
+        print(f"GPU for the non-expert modules: {torch.cuda.get_device_name()}")
+    kt_cols = "".join(f" kt_serve.train, dense on {d}, tok/s | speed-up |" for d in devices)
+    print(f"| shape | H | I | E/top-k | layers | tokens/step | reference tok/s |{kt_cols}")
+    print("|---" * (7 + 2 * len(devices)) + "|")
     with tempfile.TemporaryDirectory() as root:
         for name in a.shapes.split(","):
-            bench_shape(name, Path(root), a.steps, a.threads)
+            bench_shape(name, Path(root), a.steps, a.threads, devices)
 
 
 if __name__ == "__main__":

@@ -90,13 +90,14 @@ def check_parity(model_dir, reference_dir, tmp_path, lora_target, modules, label
     tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(cfg.model_name_or_path)
     dataset = SFTDataset.build(cfg, tokenizer)
     tm = TrainModel.load(cfg)
+    assert tm.device.type == ("cuda" if torch.cuda.is_available() else "cpu")  # dense_device: auto
     # Non-zero B from the start so that every gradient path (x, routing weights, A and B) is exercised at step 1.
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in tm.named_trainable_parameters().items():
             if "lora_B" in name or name.endswith("_lora_b"):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-    init = {ref.saved_name(n): p.detach().clone() for n, p in tm.named_trainable_parameters().items()}
+    init = {ref.saved_name(n): p.detach().to("cpu", copy=True) for n, p in tm.named_trainable_parameters().items()}
     assert set(init) == expected_keys(layers, modules)
 
     trainer = Trainer(cfg, tm, dataset)

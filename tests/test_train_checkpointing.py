@@ -111,11 +111,12 @@ def test_packed_rows_attend_only_within_an_example(models, dataset_dir, tmp_path
     expected_positions = torch.cat([torch.arange(n) for n in lengths])
     assert torch.equal(batch["position_ids"][0, :sum(lengths)], expected_positions)
     model = trainer.tm.model.eval()
+    ids, positions = batch["input_ids"].to(trainer.tm.device), batch["position_ids"].to(trainer.tm.device)
     with torch.no_grad():
-        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits[0]
+        packed = model(input_ids=ids, position_ids=positions).logits[0]
         start = 0
         for n in lengths:
-            alone = model(input_ids=batch["input_ids"][:, start:start + n]).logits[0]
+            alone = model(input_ids=ids[:, start:start + n]).logits[0]
             assert rel(packed[start:start + n], alone) < 1e-4
             start += n
 

@@ -194,10 +194,17 @@ class TrainModel:
         from transformers import AutoModelForCausalLM
 
         dtype = torch.bfloat16 if cfg.bf16 else torch.float32
-        model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=dtype,
-                                                     trust_remote_code=cfg.trust_remote_code)
-        model.config.use_cache = False
         fp8 = Fp8Checkpoint.detect(cfg.model_name_or_path)
+        extra = {}
+        if fp8 is not None:
+            from transformers import FineGrainedFP8Config
+
+            # Dense FP8 linears load as plain nn.Linear on every device, as they do on a CPU: PEFT wraps them, and
+            # transformers' FP8Linear would need the `kernels` package on a GPU. restore_dense sets their values.
+            extra["quantization_config"] = FineGrainedFP8Config(weight_block_size=tuple(fp8.block), dequantize=True)
+        model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=dtype,
+                                                     trust_remote_code=cfg.trust_remote_code, **extra)
+        model.config.use_cache = False
         if fp8 is not None:
             logger.info("FP8 checkpoint: %d dense linears set from the file's blocks; routed experts packed from its "
                         "e4m3 weights as %s", fp8.restore_dense(model), cfg.kt_config.kt_expert_weight_format)
