@@ -85,24 +85,25 @@ void MoELoRA::backward(const bf16* grad_out, bf16* grad_x, float* grad_w) {
   // B2
   const auto q_tasks = expert_block_tasks(rt, nbI);
   pool->parallel_for(static_cast<int64_t>(q_tasks.size()), [&](int64_t ti) {
-    const auto& t = q_tasks[ti];
-    const int M = t.r1 - t.r0, c0 = t.cb * kBlockN, nc = std::min(kBlockN, I - c0);
-    float* Q = tl_tile[0];
-    gemm_block(k_, M, gout + t.r0 * ldx, ldx, down_t_, t.e, t.cb, Q, kBlockN);
-    for_segments(rt, t.e, t.r0, t.r1, [&](const Route::Segment& s, int b, int end) {
-      const Adapter* a = rt.seg_adapter(s);
-      if (!a) return;
-      lora_b_add_masked(k_, drop ? &down_mask : nullptr, rt, b, end, t2d, R, a->rank,
-                        a->down_a.data() + static_cast<size_t>(t.e) * a->rank * I + c0, I, c0, nc, a->scale,
-                        Q + (b - t.r0) * kBlockN);
+    for_row_blocks(q_tasks[ti], [&](const BlockTask& t) {
+      const int M = t.r1 - t.r0, c0 = t.cb * kBlockN, nc = std::min(kBlockN, I - c0);
+      float* Q = tl_tile[0];
+      gemm_block(k_, M, gout + t.r0 * ldx, ldx, down_t_, t.e, t.cb, Q, kBlockN);
+      for_segments(rt, t.e, t.r0, t.r1, [&](const Route::Segment& s, int b, int end) {
+        const Adapter* a = rt.seg_adapter(s);
+        if (!a) return;
+        lora_b_add_masked(k_, drop ? &down_mask : nullptr, rt, b, end, t2d, R, a->rank,
+                          a->down_a.data() + static_cast<size_t>(t.e) * a->rank * I + c0, I, c0, nc, a->scale,
+                          Q + (b - t.r0) * kBlockN);
+      });
+      for (int m = 0; m < M; ++m) {
+        const int p = t.r0 + m;
+        const int64_t gu = static_cast<int64_t>(p) * I + c0;
+        gw[static_cast<int64_t>(p) * nbI + t.cb] =
+            k_.swiglu_backward(nc, pair_w(p), Q + m * kBlockN, Hb + p * ldh + c0, G + gu, U + gu, dgu + p * ldgu + c0,
+                               dgu + p * ldgu + kpI + c0);
+      }
     });
-    for (int m = 0; m < M; ++m) {
-      const int p = t.r0 + m;
-      const int64_t gu = static_cast<int64_t>(p) * I + c0;
-      gw[static_cast<int64_t>(p) * nbI + t.cb] =
-          k_.swiglu_backward(nc, pair_w(p), Q + m * kBlockN, Hb + p * ldh + c0, G + gu, U + gu, dgu + p * ldgu + c0,
-                             dgu + p * ldgu + kpI + c0);
-    }
   });
 
   // B3

@@ -98,38 +98,39 @@ void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, 
   // B: g, u and h = silu(g) u for 64 columns of I and up to 64 rows of one expert.
   const auto gu_tasks = expert_block_tasks(rt, nbI);
   pool->parallel_for(static_cast<int64_t>(gu_tasks.size()), [&](int64_t ti) {
-    const auto& t = gu_tasks[ti];
-    const int M = t.r1 - t.r0, c0 = t.cb * kBlockN, nc = std::min(kBlockN, I - c0);
-    float* Cg = tl_tile[0];
-    float* Cu = tl_tile[1];
-    const bf16* xr = X + t.r0 * ldx;
-    for_segments(rt, t.e, t.r0, t.r1, [&](const Route::Segment& s, int, int) {
-      if (const Adapter* a = rt.seg_adapter(s)) {
+    for_row_blocks(gu_tasks[ti], [&](const BlockTask& t) {
+      const int M = t.r1 - t.r0, c0 = t.cb * kBlockN, nc = std::min(kBlockN, I - c0);
+      float* Cg = tl_tile[0];
+      float* Cu = tl_tile[1];
+      const bf16* xr = X + t.r0 * ldx;
+      for_segments(rt, t.e, t.r0, t.r1, [&](const Route::Segment& s, int, int) {
+        if (const Adapter* a = rt.seg_adapter(s)) {
+          const size_t off = static_cast<size_t>(t.e) * a->rank * I + c0;
+          prefetch_rows(a->gate_bt.data() + off, a->rank, I, nc);
+          prefetch_rows(a->up_bt.data() + off, a->rank, I, nc);
+        }
+      });
+      const Int16Rows xrq = qx ? ws->xq.at(t.r0) : Int16Rows{};
+      gemm_block_pair(k_, M, xr, xr, ldx, gate_, t.e, t.cb, up_, t.e, t.cb, Cg, Cu, kBlockN, qx ? &xrq : nullptr,
+                      qx ? &xrq : nullptr);
+      for_segments(rt, t.e, t.r0, t.r1, [&](const Route::Segment& s, int b, int end) {
+        const Adapter* a = rt.seg_adapter(s);
+        if (!a) return;
         const size_t off = static_cast<size_t>(t.e) * a->rank * I + c0;
-        prefetch_rows(a->gate_bt.data() + off, a->rank, I, nc);
-        prefetch_rows(a->up_bt.data() + off, a->rank, I, nc);
+        k_.lora_b_add(end - b, tg + b * R, R, a->rank, a->gate_bt.data() + off, I, nc, a->scale, Cg + (b - t.r0) * kBlockN, kBlockN);
+        k_.lora_b_add(end - b, tu + b * R, R, a->rank, a->up_bt.data() + off, I, nc, a->scale, Cu + (b - t.r0) * kBlockN, kBlockN);
+      });
+      for (int m = 0; m < M; ++m) {
+        const int p = t.r0 + m;
+        const float* g = Cg + m * kBlockN;
+        const float* u = Cu + m * kBlockN;
+        k_.swiglu(nc, g, u, Hb + p * ldh + c0);
+        if (save) {
+          std::memcpy(G + static_cast<int64_t>(p) * I + c0, g, sizeof(float) * nc);
+          std::memcpy(U + static_cast<int64_t>(p) * I + c0, u, sizeof(float) * nc);
+        }
       }
     });
-    const Int16Rows xrq = qx ? ws->xq.at(t.r0) : Int16Rows{};
-    gemm_block_pair(k_, M, xr, xr, ldx, gate_, t.e, t.cb, up_, t.e, t.cb, Cg, Cu, kBlockN, qx ? &xrq : nullptr,
-                    qx ? &xrq : nullptr);
-    for_segments(rt, t.e, t.r0, t.r1, [&](const Route::Segment& s, int b, int end) {
-      const Adapter* a = rt.seg_adapter(s);
-      if (!a) return;
-      const size_t off = static_cast<size_t>(t.e) * a->rank * I + c0;
-      k_.lora_b_add(end - b, tg + b * R, R, a->rank, a->gate_bt.data() + off, I, nc, a->scale, Cg + (b - t.r0) * kBlockN, kBlockN);
-      k_.lora_b_add(end - b, tu + b * R, R, a->rank, a->up_bt.data() + off, I, nc, a->scale, Cu + (b - t.r0) * kBlockN, kBlockN);
-    });
-    for (int m = 0; m < M; ++m) {
-      const int p = t.r0 + m;
-      const float* g = Cg + m * kBlockN;
-      const float* u = Cu + m * kBlockN;
-      k_.swiglu(nc, g, u, Hb + p * ldh + c0);
-      if (save) {
-        std::memcpy(G + static_cast<int64_t>(p) * I + c0, g, sizeof(float) * nc);
-        std::memcpy(U + static_cast<int64_t>(p) * I + c0, u, sizeof(float) * nc);
-      }
-    }
   });
 
   // C: t = h Adᵀ, or dropout(h) Adᵀ, and h quantized for integer down weights (nothing to do without either).

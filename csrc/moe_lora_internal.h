@@ -77,11 +77,17 @@ struct BackwardScratch {
 void build_route(MoELoRA::Route& rt, int E, int T, int k, const void* ids, bool ids64, const int32_t* slots,
                  int uniform_slot, const std::vector<std::shared_ptr<const Adapter>>& table);
 
-// GEMM tasks over one expert's rows and one 64-column block.
+// GEMM tasks: all rows of one expert and one 64-column block, walked by for_row_blocks in runs of kRowBlock (the
+// local tiles' height). One task for all runs reads the block from memory once; the later runs find it in L2.
 struct BlockTask {
   int e, r0, r1, cb;
 };
 std::vector<BlockTask> expert_block_tasks(const MoELoRA::Route& rt, int nblocks);
+
+template <class F>
+inline void for_row_blocks(const BlockTask& task, F&& f) {
+  for (int r0 = task.r0; r0 < task.r1; r0 += kRowBlock) f(BlockTask{task.e, r0, std::min(r0 + kRowBlock, task.r1), task.cb});
+}
 
 // Experts split into groups of similar pair counts, for the phases whose tasks are (column block, group):
 // each group accumulates into its own partial output, so tasks never write the same element.

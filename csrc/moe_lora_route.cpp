@@ -85,9 +85,7 @@ void build_route(MoELoRA::Route& rt, int E, int T, int k, const void* ids, bool 
 std::vector<BlockTask> expert_block_tasks(const MoELoRA::Route& rt, int nblocks) {
   std::vector<BlockTask> tasks;
   for (int e : rt.active)
-    for (int r0 = rt.expert_begin[e]; r0 < rt.expert_begin[e + 1]; r0 += kRowBlock)
-      for (int cb = 0; cb < nblocks; ++cb)
-        tasks.push_back({e, r0, std::min(r0 + kRowBlock, rt.expert_begin[e + 1]), cb});
+    for (int cb = 0; cb < nblocks; ++cb) tasks.push_back({e, rt.expert_begin[e], rt.expert_begin[e + 1], cb});
   return tasks;
 }
 
