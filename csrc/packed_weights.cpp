@@ -165,19 +165,30 @@ float PackedWeights::at(int e, int n, int k) const {
 namespace {
 
 // Many rows: the block decoded a group at a time (int8: 256 K values) into bf16, the bf16 microkernel over the
-// group, its partial product scaled into C (int4 adds its minimums times the group's input sums).
+// group, its partial product scaled into C. int4 adds its minimums times the group's input sums, taken from the
+// rows' int16 form (X, quantized once per call, as the register path takes them): summing the bf16 inputs again
+// for every block and group had cost as much as the GEMM itself at T=512.
 void decoded_gemm(const Kernels& kern, int M, const bf16* A, int64_t lda, const Layout& l, Block b, float* C,
-                  int64_t ldc) {
+                  int64_t ldc, const Int16Rows* X) {
   const int chunk = l.fmt == Format::int8 ? std::min(l.kp, 256) : l.group;
   thread_local Buffer<bf16> decoded;
   thread_local float part[64 * kBlockN];  // M <= 64 (kRowBlock)
+  thread_local float xsum[64];
+  thread_local QuantizedRows own;
+  if (l.fmt == Format::int4 && !X) {
+    own.reserve(M, l.kp);
+    own.quantize(kern, 0, M, A, lda, l.kp);
+  }
+  const Int16Rows rows = X ? *X : own.at(0);
   bf16* d = decoded.get(static_cast<size_t>(chunk) * kBlockN);
   for (int k0 = 0; k0 < l.kp; k0 += chunk) {
     const int kc = std::min(chunk, l.kp - k0);
     kern.decode_rows(l, b.w, k0 / 2, (k0 + kc) / 2, d);
     kern.gemm_block(M, A + k0, lda, d, kc, part, kBlockN);
     const float* s = b.s + (k0 / l.group) * l.group_floats();
-    kern.scale_rows(M, part, s, l.fmt == Format::int4 ? s + kBlockN : nullptr, A + k0, lda, kc, C, ldc, k0 == 0);
+    if (l.fmt == Format::int4)
+      for (int m = 0; m < M; ++m) xsum[m] = rows.scale[m] * static_cast<float>(rows.sum(m, k0, k0 + kc));
+    kern.scale_rows(M, part, s, l.fmt == Format::int4 ? s + kBlockN : nullptr, xsum, C, ldc, k0 == 0);
   }
 }
 
@@ -190,7 +201,7 @@ void gemm_block(const Kernels& kern, int M, const bf16* A, int64_t lda, const Pa
   if (l.fmt == Format::bf16) return kern.gemm_block(M, A, lda, W.bf16_block(e, cb), l.kp, C, ldc);
   if (M < (l.integer() ? kern.int_decode_min_rows : kDecodeRows))
     return kern.qgemm_block(M, A, lda, X, l, W.block(e, cb), C, ldc);
-  decoded_gemm(kern, M, A, lda, l, W.block(e, cb), C, ldc);
+  decoded_gemm(kern, M, A, lda, l, W.block(e, cb), C, ldc, X);
 }
 
 void gemm_block_pair(const Kernels& kern, int M, const bf16* A0, const bf16* A1, int64_t lda, const PackedWeights& W0,
