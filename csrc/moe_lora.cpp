@@ -30,7 +30,7 @@ const float* e4m3_table() {
 // Packs one matrix of every expert: N × K values at src + e·estride (bf16 or e4m3 + block scales).
 void pack_matrix(PackedWeights& W, const char* what, const ExpertWeights& w, const void* src, int64_t estride,
                  const float* scale, int64_t sstride) {
-  const int N = W.N, K = W.K, bn = w.block_n, bk = w.block_k;
+  const int K = W.K, bn = w.block_n, bk = w.block_k;
   const int64_t ld_scale = (K + bk - 1) / bk;
   global_pool()->parallel_for(W.E, [&](int64_t e) {
     const int ei = static_cast<int>(e);

@@ -32,7 +32,7 @@ from kt_serve.tiny_model import build_tiny_moe  # noqa: E402
 PY_SPY = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
 # Part of the step -> frame names (py-spy's function names) whose inclusive samples it takes, first match wins.
 PARTS = [
-    ("routed experts (kt kernel)", ("MoEExperts.forward_sft",)),
+    ("routed experts (kt kernel)", ("MoEExperts.forward_sft", "MoEExperts.forward_routed")),  # routed: router fused
     ("routed experts (SGLang)", ("moe_forward_native", "fused_experts")),
     ("lm_head", ("LogitsProcessor._compute_lm_head", "compute_lm_head")),  # the latter: the plugin's dense path
     ("dense linears (q/k/v/o, gate, shared)", ("UnquantizedLinearMethod.apply", "linear_apply")),
