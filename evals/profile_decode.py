@@ -4,6 +4,10 @@ plugin) while N greedy streams decode, and the samples are grouped by the part o
     python evals/profile_decode.py [--preset qwen3-30b-a3b|small|qwen3_5-moe] [--streams 1 8] [--seconds 15]
                                    [--server-args ...]   # e.g. --server-args --kt-expert-lora-path DIR
 
+``--call-times`` also times the kernel's calls inside the server (evals/call_timer/sitecustomize.py on its
+PYTHONPATH: a wall clock around each routed-experts and packed-dense call, by shape) and prints their share of the
+same seconds: py-spy's sampling leaves part of a C++ call to its Python callers, the clock does not.
+
 Needs py-spy (``pip install py-spy``; benchmarks only). The model is bench_serving.py's preset, built once under
 --out. Shares are of the scheduler's samples after prefill; "other in the forward pass" is Python and per-op
 dispatch in the model's forward outside the named parts, "scheduler loop" everything outside the forward pass
@@ -78,11 +82,37 @@ def tally(lines: list[str]) -> collections.Counter:
     return counts
 
 
-def profile(model: str, streams: int, seconds: int, server_args: list[str], log: Path) -> collections.Counter:
+CALL_TIMER = Path(__file__).resolve().parent / "call_timer"
+
+
+def read_call_times(prefix: Path) -> tuple[float, dict]:
+    """(time written, {call: [count, seconds]}) summed over the server processes that timed calls."""
+    import json
+
+    stamp, calls = 0.0, collections.defaultdict(lambda: [0, 0.0])
+    for path in prefix.parent.glob(prefix.name + ".*.json"):
+        data = json.loads(path.read_text())
+        stamp = max(stamp, data["time"])
+        for call, (n, t) in data["calls"].items():
+            calls[call][0] += n
+            calls[call][1] += t
+    return stamp, calls
+
+
+def profile(model: str, streams: int, seconds: int, server_args: list[str], log: Path,
+            call_times: Path | None = None) -> tuple[collections.Counter, list]:
+    """py-spy's samples per part of the step, and with ``call_times`` (a file prefix) the timed kernel calls of
+    the same window: [(call, calls per second, µs per call, share of the wall time)]."""
+    import os
+
     import psutil
 
+    env = None
+    if call_times:
+        env = {"KT_SERVE_CALL_TIMES": str(call_times),
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(CALL_TIMER), os.environ.get("PYTHONPATH")]))}
     with SGLangServer(model, ["--max-running-requests", str(max(streams, 1)), *server_args], max_total_tokens=8192,
-                      log_path=log) as server:
+                      log_path=log, env=env) as server:
         body = lambda i: {"model": model, "prompt": stream_prompt(i), "max_tokens": 256,  # noqa: E731
                           "temperature": 0, "ignore_eos": True}
         server.post("/v1/completions", {**body(0), "max_tokens": 4}, timeout=600)  # warm-up
@@ -97,15 +127,24 @@ def profile(model: str, streams: int, seconds: int, server_args: list[str], log:
         thread = threading.Thread(target=traffic)
         thread.start()
         time.sleep(3)  # past the prompts' prefill
+        before = read_call_times(call_times) if call_times else None
         with tempfile.NamedTemporaryFile(suffix=".txt") as raw:
             subprocess.run([PY_SPY, "record", "--pid", str(scheduler.pid), "--duration", str(seconds), "--rate", "200",
                             "--format", "raw", "--output", raw.name, "--nonblocking"], check=True,
                            capture_output=True)
             lines = Path(raw.name).read_text().splitlines()
         (log.parent / f"{log.stem}.pyspy.txt").write_text("\n".join(lines))  # py-spy's raw stacks, for a closer look
+        timed = []
+        if call_times:
+            time.sleep(1)  # the timer writes twice a second
+            (t0, c0), (t1, c1) = before, read_call_times(call_times)
+            for call, (n, t) in sorted(c1.items(), key=lambda kv: -(kv[1][1] - c0.get(kv[0], [0, 0.0])[1])):
+                dn, dt = n - c0.get(call, [0, 0.0])[0], t - c0.get(call, [0, 0.0])[1]
+                if dn:
+                    timed.append((call, dn / (t1 - t0), 1e6 * dt / dn, dt / (t1 - t0)))
         stop.set()
         thread.join()
-    return tally(lines)
+    return tally(lines), timed
 
 
 def main(argv=None):
@@ -114,6 +153,7 @@ def main(argv=None):
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--seconds", type=int, default=15)
     ap.add_argument("--out", default=None, help="where the model is built (reused when present)")
+    ap.add_argument("--call-times", action="store_true", help="also time the kernel's calls inside the server")
     ap.add_argument("--server-args", nargs=argparse.REMAINDER, default=[])
     a = ap.parse_args(argv)
     if PY_SPY is None:
@@ -127,7 +167,9 @@ def main(argv=None):
         build_tiny_moe(model, p["family"], hidden_size=p["hidden"], moe_intermediate_size=p["moe_intermediate"],
                        num_experts=p["experts"], top_k=p["top_k"], num_layers=p["layers"], vocab_size=p["vocab"],
                        **attention)
-    shares = {s: profile(str(model), s, a.seconds, a.server_args, out / f"server_{s}.log") for s in a.streams}
+    results = {s: profile(str(model), s, a.seconds, a.server_args, out / f"server_{s}.log",
+                          out / f"calls_{s}" if a.call_times else None) for s in a.streams}
+    shares = {s: r[0] for s, r in results.items()}
     print(f"\npreset {a.preset}; server args {' '.join(a.server_args) or '(none)'}; py-spy, {a.seconds} s per row")
     print("| part of the decode step | " + " | ".join(f"{s} stream{'s' * (s > 1)}" for s in a.streams) + " |")
     print("|---|" + "---|" * len(a.streams))
@@ -135,6 +177,12 @@ def main(argv=None):
         cells = [f"{100 * shares[s][part] / max(sum(shares[s].values()), 1):.1f}%" for s in a.streams]
         if any(c != "0.0%" for c in cells):
             print(f"| {part} | " + " | ".join(cells) + " |")
+    for s, (_, timed) in results.items():
+        if a.call_times:
+            print(f"\nkernel calls timed in the server, {s} stream{'s' * (s > 1)} (the py-spy window)")
+            print("| call (input rows) | calls/s | µs per call | share of wall time |\n|---|---|---|---|")
+            for call, rate, us, share in timed:
+                print(f"| {call} | {rate:,.0f} | {us:,.0f} | {100 * share:.1f}% |")
 
 
 if __name__ == "__main__":
