@@ -13,6 +13,7 @@
 #include <cstring>
 
 #include "kernels.h"
+#include "prefetch.h"
 
 namespace {
 
@@ -71,12 +72,20 @@ inline void tile_2x2(const bf16* A, int64_t lda, const bf16* block, int kp, int 
   _tile_stored(3, C + 16 * ldc + 16 * (ct + 1), sc);
 }
 
-// up to 16 rows × 64 columns.
+// up to 16 rows × 64 columns. Few rows make few tile products per byte, so the block streams from memory at the
+// rate its loads are in flight: the next K step's 16 block rows (4 KiB) are prefetched into L1 (MoE decode from
+// DRAM, calls alternated in one process: T=1 3.03 -> 2.74 ms, T=8 15.7 -> 14.2 ms; 2-8 KiB ahead within 4% of
+// that). Many rows (tile_2x2) gained nothing from the same.
 inline void tile_1x4(const bf16* A, int64_t lda, const bf16* block, int kp, float* C, int64_t ldc) {
   zero_accumulators();
   const int64_t sa = lda * 2;
+  constexpr int kStepBytes = 16 * kBlockN * 2 * 2;
+  const char* end = reinterpret_cast<const char*>(block) + static_cast<int64_t>(kp / 32) * kStepBytes;
   for (int k0 = 0; k0 < kp; k0 += 32) {
     const bf16* b = block + static_cast<int64_t>(k0 / 2) * kBlockN * 2;
+    const char* next = reinterpret_cast<const char*>(b) + kStepBytes;
+    if (next < end)
+      for (int i = 0; i < kStepBytes; i += 64) kt::prefetch_l1(next + i);
     _tile_loadd(4, A + k0, sa);
     _tile_loadd(6, b, kBlockN * 4);
     _tile_loadd(7, b + 32, kBlockN * 4);
