@@ -411,6 +411,12 @@ def main(argv=None) -> int:
         for fmt in formats:
             ours = all_ours.pop(fmt)  # freed with its backward copies once its rows are measured
             kts = build_kt(fmt) if isa == isas[0] else []
+            # A training run builds each layer's transposed backward copies once, on its first step: so here, before
+            # timing (else the fwd_bwd medians of formats with many weight sets time those builds).
+            x, ids, w, gy = step(min(args.tokens))
+            for m in ours:
+                m.forward_sft(x, ids, w, save_for_backward=True, slots=0)
+                m.backward(gy)
             for T in args.tokens:
                 rep = args.repeats if T <= 64 else max(3, args.repeats // 2)
 
