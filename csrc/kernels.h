@@ -107,6 +107,11 @@ struct Kernels {
                            int64_t ldc);
   // Rows [kk0, kk1) of a quantized block as unscaled bf16 values (exact for every format) in the bf16 layout.
   void (*decode_rows)(const Layout& l, const uint8_t* w, int kk0, int kk1, bf16* out);
+  // Rows [kk0, kk0 + rows) (rows <= 32, kk0 a multiple of 32) of block b, dequantized (W = value · scale +
+  // offset, one fused multiply-add, rounded to bf16 to nearest even; weights are finite) and transposed into the
+  // bf16 block layout of Wᵀ: dst[(c / 2) · 128 + 2q + c % 2] = W[c][2·kk0 + q] for the block's 64 columns c and
+  // q < 2·rows. What the backward's dx = dy · W multiplies, a block at a time (packed_weights.cpp).
+  void (*decode_transposed)(const Layout& l, Block b, int kk0, int rows, bf16* dst);
   // M rows of kp (a multiple of 32) bf16 values to Int16Rows form: q [M][kp], sums [M][kp / 32], scale [M]
   // (scale = amax / 32767: every bit of a bf16 input kept, error below 2^-15 of the row's largest value).
   void (*quantize_rows)(int M, const bf16* A, int64_t lda, int kp, int16_t* q, int32_t* sums, float* scale);

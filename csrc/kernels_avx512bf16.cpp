@@ -111,6 +111,30 @@ void decode_rows_avx512(const kt::Layout& l, const uint8_t* w, int kk0, int kk1,
   }
 }
 
+// transpose_pairs_generic in 8 × 8 transposes of 64-bit groups: 8 rows of v give, for each of 8 pair rows p of
+// Wᵀ, 64 contiguous bytes (K positions [2·r0, 2·r0 + 16)). rows is a multiple of 8 (kp is a multiple of 32).
+void transpose_pairs_avx512(int rows, const bf16* v, bf16* dst) {
+  const __m512i swap = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15));
+  const __m512i lanes02 = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), lanes13 = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+  const __m512i lo4 = _mm512_setr_epi64(0, 1, 2, 3, 8, 9, 10, 11), hi4 = _mm512_setr_epi64(4, 5, 6, 7, 12, 13, 14, 15);
+  for (int r0 = 0; r0 < rows; r0 += 8)
+    for (int p0 = 0; p0 < kBlockN / 2; p0 += 8) {
+      __m512i a[8], b[8], c[8];  // a[i]: groups p0..p0+7 of row r0 + i
+      for (int i = 0; i < 8; ++i) a[i] = _mm512_shuffle_epi8(_mm512_loadu_si512(v + (r0 + i) * 2 * kBlockN + 4 * p0), swap);
+      for (int i = 0; i < 8; i += 2)  // b[i]: rows i, i+1 of groups 0, 2, 4, 6; b[i + 1]: of groups 1, 3, 5, 7
+        b[i] = _mm512_unpacklo_epi64(a[i], a[i + 1]), b[i + 1] = _mm512_unpackhi_epi64(a[i], a[i + 1]);
+      for (int h = 0; h < 8; h += 4)  // c[h + q]: rows h..h+3 of groups q and q + 4
+        for (int t = 0; t < 2; ++t) {
+          c[h + t] = _mm512_permutex2var_epi64(b[h + t], lanes02, b[h + 2 + t]);
+          c[h + 2 + t] = _mm512_permutex2var_epi64(b[h + t], lanes13, b[h + 2 + t]);
+        }
+      for (int q = 0; q < 4; ++q) {
+        _mm512_storeu_si512(dst + (p0 + q) * 2 * kBlockN + 4 * r0, _mm512_permutex2var_epi64(c[q], lo4, c[4 + q]));
+        _mm512_storeu_si512(dst + (p0 + q + 4) * 2 * kBlockN + 4 * r0, _mm512_permutex2var_epi64(c[q], hi4, c[4 + q]));
+      }
+    }
+}
+
 void qgemm_block_pair_avx512(int M, const bf16* A0, const bf16* A1, int64_t lda, const kt::Int16Rows* X0,
                              const kt::Int16Rows* X1, const kt::Layout& l, kt::Block b0, kt::Block b1, float* C0,
                              float* C1, int64_t ldc) {
@@ -269,7 +293,7 @@ const Kernels* kernels_avx512_bf16() {
   static const Kernels k{"avx512_bf16",         gemm_block_avx512,      gemm_block_pair_avx512, lora_a_bf16_avx512,
                          lora_a_f32_avx512,     lora_b_add_avx512,      outer_acc_bf16_generic,
                          outer_acc_f32_generic, swiglu_avx512,          swiglu_backward_avx512, qgemm_block_avx512,
-                         qgemm_block_pair_avx512, decode_rows_avx512, quantize_rows_generic, scale_rows_generic, 16,
+                         qgemm_block_pair_avx512, decode_rows_avx512, decode_transposed_generic<decode_rows_avx512, transpose_pairs_avx512>, quantize_rows_generic, scale_rows_generic, 16,
                          attn_scores_generic, exp_shifted_avx512, attn_values_generic};
   return &k;
 }

@@ -139,22 +139,4 @@ void MoELoRA::set_grad_buffers(int slot, const GradBuffers& g) {
   grads_[slot] = g;
 }
 
-void MoELoRA::ensure_backward_weights() {
-  std::lock_guard<std::mutex> lk(backward_weights_mutex_);
-  if (have_backward_weights_) return;
-  const int kpI = static_cast<int>(round_up(I_, 2));
-  down_t_.init(E_, I_, H_);
-  gate_up_t_.init(E_, H_, 2 * kpI);
-  global_pool()->parallel_for(E_, [&](int64_t e64) {
-    const int e = static_cast<int>(e64);
-    down_t_.pack(e, [&](int n, int k) { return down_.at(e, k, n); });
-    gate_up_t_.pack(e, [&](int n, int k) {
-      if (k < I_) return gate_.at(e, k, n);
-      if (k >= kpI && k < kpI + I_) return up_.at(e, k - kpI, n);
-      return 0.f;
-    });
-  });
-  have_backward_weights_ = true;
-}
-
 }  // namespace kt

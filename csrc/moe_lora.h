@@ -88,15 +88,10 @@ class MoELoRA {
 
  private:
   void check_slot(int slot) const;
-  void ensure_backward_weights();
 
   const int E_, H_, I_, max_tokens_;
   const Kernels& k_;
   PackedWeights gate_, up_, down_;        // forward: Wg, Wu [I, H]; Wd [H, I]
-  PackedWeights down_t_, gate_up_t_;      // backward, built on first use, bf16 of the dequantized weights:
-                                          // Wdᵀ [I, H]; [Wg | Wu]ᵀ [H, 2·kpI]
-  std::mutex backward_weights_mutex_;
-  bool have_backward_weights_ = false;
 
   mutable std::mutex slots_mutex_;
   std::vector<std::shared_ptr<const Adapter>> slots_;

@@ -82,13 +82,32 @@ void MoELoRA::backward(const bf16* grad_out, bf16* grad_x, float* grad_w) {
                      a->rank, H, t2d + c.begin * R, R);
   });
 
+  // The backward's weights: a 64-column block of Wdᵀ [I, H] or [Wg | Wu]ᵀ [H, 2·kpI], decoded from the forward
+  // weights per task (decode_transposed) into this thread's block.
+  thread_local Buffer<bf16> wt_block;
+  auto down_t = [&](int e, int cb) {
+    bf16* w = wt_block.get(static_cast<size_t>(ldx) * kBlockN);
+    decode_transposed(k_, down_, e, cb * kBlockN, 0, w);
+    zero_inner(w, H, static_cast<int>(ldx));
+    return w;
+  };
+  auto gate_up_t = [&](int e, int cb) {
+    bf16* w = wt_block.get(static_cast<size_t>(ldgu) * kBlockN);
+    decode_transposed(k_, gate_, e, cb * kBlockN, 0, w);
+    decode_transposed(k_, up_, e, cb * kBlockN, kpI, w);
+    zero_inner(w, I, kpI);
+    zero_inner(w, kpI + I, static_cast<int>(ldgu));
+    return w;
+  };
+
   // B2
   const auto q_tasks = expert_block_tasks(rt, nbI);
   pool->parallel_for(static_cast<int64_t>(q_tasks.size()), [&](int64_t ti) {
+    const bf16* wd = down_t(q_tasks[ti].e, q_tasks[ti].cb);
     for_row_blocks(q_tasks[ti], [&](const BlockTask& t) {
       const int M = t.r1 - t.r0, c0 = t.cb * kBlockN, nc = std::min(kBlockN, I - c0);
       float* Q = tl_tile[0];
-      gemm_block(k_, M, gout + t.r0 * ldx, ldx, down_t_, t.e, t.cb, Q, kBlockN);
+      k_.gemm_block(M, gout + t.r0 * ldx, ldx, wd, static_cast<int>(ldx), Q, kBlockN);
       for_segments(rt, t.e, t.r0, t.r1, [&](const Route::Segment& s, int b, int end) {
         const Adapter* a = rt.seg_adapter(s);
         if (!a) return;
@@ -128,9 +147,11 @@ void MoELoRA::backward(const bf16* grad_out, bf16* grad_x, float* grad_w) {
     float* part = acc + static_cast<size_t>(grp) * T * ldo;
     float* C = tl_tile[0];
     for (int e : groups[grp]) {
+      if (rt.expert_begin[e + 1] == rt.expert_begin[e]) continue;
+      const bf16* wgu = gate_up_t(e, cb);
       for (int r0 = rt.expert_begin[e]; r0 < rt.expert_begin[e + 1]; r0 += kRowBlock) {
         const int r1 = std::min(r0 + kRowBlock, rt.expert_begin[e + 1]);
-        gemm_block(k_, r1 - r0, dgu + r0 * ldgu, ldgu, gate_up_t_, e, cb, C, kBlockN);
+        k_.gemm_block(r1 - r0, dgu + r0 * ldgu, ldgu, wgu, static_cast<int>(ldgu), C, kBlockN);
         for_segments(rt, e, r0, r1, [&](const Route::Segment& s, int b, int end) {
           const Adapter* a = rt.seg_adapter(s);
           if (!a) return;

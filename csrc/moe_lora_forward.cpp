@@ -35,7 +35,6 @@ void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, 
     saved_lock.lock();
     if (!saved_) saved_ = std::make_unique<Saved>();
     ws = saved_.get();
-    ensure_backward_weights();
   }
   Route& rt = ws->route;
   {

@@ -159,7 +159,7 @@ float PackedWeights::at(int e, int n, int k) const {
   const Block blk = block(e, n / kBlockN);
   const int i = 2 * (n % kBlockN) + k % 2;
   const int g = k / layout.group;
-  return block_value(layout, blk.w, k / 2, i) * block_scale(layout, blk, g, i) + block_offset(layout, blk, g, i);
+  return std::fma(block_value(layout, blk.w, k / 2, i), block_scale(layout, blk, g, i), block_offset(layout, blk, g, i));
 }
 
 namespace {
@@ -217,6 +217,28 @@ void gemm_block_pair(const Kernels& kern, int M, const bf16* A0, const bf16* A1,
     return kern.qgemm_block_pair(M, A0, A1, lda, X0, X1, l, W0.block(e0, cb0), W1.block(e1, cb1), C0, C1, ldc);
   gemm_block(kern, M, A0, lda, W0, e0, cb0, C0, ldc, X0);
   gemm_block(kern, M, A1, lda, W1, e1, cb1, C1, ldc, X1);
+}
+
+void decode_transposed(const Kernels& kern, const PackedWeights& W, int e, int k0, int o, bf16* out) {
+  const Layout& l = W.layout;
+  const int kk0 = k0 / 2, rows = std::max(0, std::min(32, l.kp / 2 - kk0));
+  thread_local Buffer<bf16> last;  // a partial last block: its columns past N would overwrite what follows o + N
+  for (int b = 0; b < W.nblocks; ++b) {
+    bf16* dst = out + static_cast<int64_t>((o + b * kBlockN) / 2) * 2 * kBlockN;  // o even: column c lands on o + 64b + c
+    const int nc = std::min(kBlockN, W.N - b * kBlockN);
+    bf16* d = nc < kBlockN ? last.get(kBlockN * kBlockN) : dst;
+    kern.decode_transposed(l, W.block(e, b), kk0, rows, d);
+    for (int c = 0; c < nc; ++c)  // K past W.K: padding, not data (int4 would give its minimum); past kp: unwritten
+      for (int k = std::max(k0, W.K); k < k0 + 64; ++k) d[(c / 2) * 2 * kBlockN + 2 * (k - k0) + c % 2] = 0;
+    if (d != dst)
+      for (int c = 0; c < nc; ++c)
+        for (int q = 0; q < 64; ++q) dst[(c / 2) * 2 * kBlockN + 2 * q + c % 2] = d[(c / 2) * 2 * kBlockN + 2 * q + c % 2];
+  }
+}
+
+void zero_inner(bf16* out, int n0, int n1) {
+  for (int n = n0; n < n1; ++n)
+    for (int c = 0; c < kBlockN; ++c) out[static_cast<int64_t>(n / 2) * 2 * kBlockN + 2 * c + n % 2] = 0;
 }
 
 void QuantizedRows::quantize(const Kernels& kern, int first, int rows, const bf16* A, int64_t lda, int kp) {

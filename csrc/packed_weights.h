@@ -56,6 +56,16 @@ struct PackedWeights {
   void quantize_block(int e, int b, const float* tile);
 };
 
+// Columns [k0, k0 + 64) of expert e's W (k0 a multiple of 64) as one bf16 block of the transposed matrix, whose
+// inner dimension is W's n placed at offset o (even): out[(o + n) / 2][c][(o + n) % 2] = bf16(W[n][k0 + c]) for
+// n < N, the value PackedWeights::at gives rounded to nearest even (exact for bf16 weights), zero where k0 + c >= K.
+// The backward's products dx = dy · W read their weights this way, a block per task, instead of from a
+// transposed copy of every expert (which doubled a bf16 layer's memory and made an int4 one 5x larger).
+// Rows of out outside [o, o + N) are not written (zero_inner).
+void decode_transposed(const Kernels& kern, const PackedWeights& W, int e, int k0, int o, bf16* out);
+// Inner indices [n0, n1) of such a block set to zero (the padding between and after the decoded matrices).
+void zero_inner(bf16* out, int n0, int n1);
+
 // The integer formats' input rows of one call (Int16Rows), kept with the call's other scratch.
 struct QuantizedRows {
   Buffer<int16_t> q;

@@ -409,10 +409,9 @@ def main(argv=None) -> int:
                 decode[fmt, T] = times[2 * i], times[2 * i + 1][0]
             del fns
         for fmt in formats:
-            ours = all_ours.pop(fmt)  # freed with its backward copies once its rows are measured
+            ours = all_ours.pop(fmt)  # freed once its rows are measured
             kts = build_kt(fmt) if isa == isas[0] else []
-            # A training run builds each layer's transposed backward copies once, on its first step: so here, before
-            # timing (else the fwd_bwd medians of formats with many weight sets time those builds).
+            # One backward per weight set before timing: its first call sizes the layer's saved state and scratch.
             x, ids, w, gy = step(min(args.tokens))
             for m in ours:
                 m.forward_sft(x, ids, w, save_for_backward=True, slots=0)
