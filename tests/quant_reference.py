@@ -20,13 +20,15 @@ def ref_int8(w):
 
 def ref_int4(w, group):
     """Asymmetric per row and K group (the last one partial): lo = min, s = (max - lo) / 15 (1 where flat),
-    q = clamp(round((W - lo) / s), 0, 15), W ≈ q · s + lo."""
+    q = clamp(round((W - lo) / s), 0, 15), W ≈ q · s + lo rounded once (the kernel's fused multiply-add): in float64
+    q · s is exact and so is the sum (lo and q · s are of like magnitude), so the one rounding is the cast to fp32."""
     out = torch.empty_like(w)
     for k0 in range(0, w.shape[-1], group):  # groups start at multiples of `group`; the K padding is not in them
         seg = w[..., k0 : k0 + group]
         lo, hi = seg.amin(-1, keepdim=True), seg.amax(-1, keepdim=True)
         s = torch.where(hi > lo, (hi - lo) / 15, torch.ones_like(lo))
-        out[..., k0 : k0 + group] = torch.round((seg - lo) / s).clamp(0, 15) * s + lo
+        q = torch.round((seg - lo) / s).clamp(0, 15)
+        out[..., k0 : k0 + group] = (q.double() * s.double() + lo.double()).float()
     return out
 
 
