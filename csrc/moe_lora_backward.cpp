@@ -50,7 +50,7 @@ void MoELoRA::backward(const bf16* grad_out, bf16* grad_x, float* grad_w) {
   ThreadPool::Busy busy(*pool);
   const int kpI = static_cast<int>(round_up(I, 2));
   const int nbI = gate_.nblocks, nbH = down_.nblocks;
-  const int64_t ldx = ws.ldx, ldh = ws.ldh, ldo = ws.ldo, ldgu = round_up(2 * kpI, 32);
+  const int64_t ldx = ws.ldx, ldh = ws.ldh, ldgu = round_up(2 * kpI, 32);
   const bf16* X = ws.x.data();
   const bf16* Hb = ws.h.data();
   const float *tg = ws.tg.data(), *tu = ws.tu.data(), *td = ws.td.data();
@@ -139,12 +139,11 @@ void MoELoRA::backward(const bf16* grad_out, bf16* grad_x, float* grad_w) {
   // B4: dx per 64 columns of H and group of experts.
   const auto groups = expert_groups(rt, nbH, pool->num_threads());
   const int ngroups = static_cast<int>(groups.size());
-  float* acc = ws.acc.get(static_cast<size_t>(ngroups) * T * ldo);
-  std::memset(acc, 0, sizeof(float) * static_cast<size_t>(ngroups) * T * ldo);
+  const PartialOutputs acc(ws.acc, ngroups, T, nbH);
   pool->parallel_for(static_cast<int64_t>(nbH) * ngroups, [&](int64_t ti) {
     const int cb = static_cast<int>(ti % nbH), grp = static_cast<int>(ti / nbH);
     const int c0 = cb * kBlockN, nc = std::min(kBlockN, H - c0);
-    float* part = acc + static_cast<size_t>(grp) * T * ldo;
+    float* part = acc.zeroed(grp, cb);
     float* C = tl_tile[0];
     for (int e : groups[grp]) {
       if (rt.expert_begin[e + 1] == rt.expert_begin[e]) continue;
@@ -162,15 +161,15 @@ void MoELoRA::backward(const bf16* grad_out, bf16* grad_x, float* grad_w) {
                             nc, a->scale, C + (b - r0) * kBlockN);
         });
         for (int p = r0; p < r1; ++p) {
-          float* o = part + static_cast<int64_t>(rt.pair_tk[p] / k) * ldo + c0;
+          float* o = part + (rt.pair_tk[p] / k) * kBlockN;
           const float* y = C + (p - r0) * kBlockN;
           for (int c = 0; c < nc; ++c) o[c] += y[c];
         }
       }
     }
-    if (ngroups == 1) store_columns(part, T, ldo, H, c0, nc, grad_x);
+    if (ngroups == 1) acc.store(cb, H, grad_x);
   });
-  if (ngroups > 1) reduce_groups(*pool, acc, ngroups, T, ldo, H, nbH, grad_x);
+  if (ngroups > 1) pool->parallel_for(nbH, [&](int64_t cb) { acc.store(static_cast<int>(cb), H, grad_x); });
 
   // B5: LoRA gradients. Each task owns one column block of one gradient of one (expert, slot) segment.
   enum Kind { kGateB, kUpB, kDownA, kGateA, kUpA, kDownB };

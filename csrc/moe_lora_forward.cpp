@@ -51,8 +51,7 @@ void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, 
   const int nbI = gate_.nblocks, nbH = down_.nblocks;
   ws->ldx = round_up(H, 32);
   ws->ldh = round_up(I, 32);
-  ws->ldo = static_cast<int64_t>(nbH) * kBlockN;
-  const int64_t ldx = ws->ldx, ldh = ws->ldh, ldo = ws->ldo;
+  const int64_t ldx = ws->ldx, ldh = ws->ldh;
   bf16* X = ws->x.get(static_cast<size_t>(P) * ldx);
   bf16* Hb = ws->h.get(static_cast<size_t>(P) * ldh);
   float* tg = ws->tg.get(static_cast<size_t>(P) * R);
@@ -149,14 +148,13 @@ void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, 
   // D: y = h Wdᵀ + s t Bdᵀ, out[t] += w y, per 64 columns of H and group of experts.
   const auto groups = expert_groups(rt, nbH, pool->num_threads());
   const int ngroups = static_cast<int>(groups.size());
-  float* acc = ws->acc.get(static_cast<size_t>(ngroups) * T * ldo);
-  std::memset(acc, 0, sizeof(float) * static_cast<size_t>(ngroups) * T * ldo);
+  const PartialOutputs acc(ws->acc, ngroups, T, nbH);
   auto hrows = [&](int row) { return qh ? ws->hq.at(row) : Int16Rows{}; };
   auto hq = [&](const Int16Rows& r) { return qh ? &r : nullptr; };
   pool->parallel_for(static_cast<int64_t>(nbH) * ngroups, [&](int64_t ti) {
     const int cb = static_cast<int>(ti % nbH), grp = static_cast<int>(ti / nbH);
     const int c0 = cb * kBlockN, nc = std::min(kBlockN, H - c0);
-    float* part = acc + static_cast<size_t>(grp) * T * ldo;
+    float* part = acc.zeroed(grp, cb);
     // Rows [r0, r1) of expert e, their base product already in C: add the LoRA term, scatter w·y into part.
     auto finish = [&](int e, int r0, int r1, float* C) {
       for_segments(rt, e, r0, r1, [&](const Route::Segment& s, int b, int end) {
@@ -168,7 +166,7 @@ void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, 
       for (int p = r0; p < r1; ++p) {
         const int tk = rt.pair_tk[p];
         const float w = weights[tk];
-        float* o = part + static_cast<int64_t>(tk / k) * ldo + c0;
+        float* o = part + (tk / k) * kBlockN;
         const float* y = C + (p - r0) * kBlockN;
         for (int c = 0; c < nc; ++c) o[c] += w * y[c];
       }
@@ -209,9 +207,9 @@ void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, 
         finish(e, r0, r1, tl_tile[0]);
       }
     }
-    if (ngroups == 1) store_columns(part, T, ldo, H, c0, nc, out);
+    if (ngroups == 1) acc.store(cb, H, out);
   });
-  if (ngroups > 1) reduce_groups(*pool, acc, ngroups, T, ldo, H, nbH, out);
+  if (ngroups > 1) pool->parallel_for(nbH, [&](int64_t cb) { acc.store(static_cast<int>(cb), H, out); });
   if (!save) rt.keep.clear();  // do not pin adapters beyond the call
 }
 

@@ -105,19 +105,15 @@ std::vector<std::vector<int>> expert_groups(const MoELoRA::Route& rt, int nblock
   return out;
 }
 
-void store_columns(const float* src, int T, int64_t ldo, int H, int c0, int nc, bf16* dst) {
+void PartialOutputs::store(int cb, int H, bf16* dst) const {
+  const int c0 = cb * kBlockN, nc = std::min(kBlockN, H - c0);
+  float* acc = slice(0, cb);
+  for (int g = 1; g < groups; ++g) {
+    const float* part = slice(g, cb);
+    for (int i = 0; i < T * kBlockN; ++i) acc[i] += part[i];
+  }
   for (int t = 0; t < T; ++t)
-    for (int c = 0; c < nc; ++c) dst[static_cast<int64_t>(t) * H + c0 + c] = f32_to_bf16(src[t * ldo + c0 + c]);
-}
-
-void reduce_groups(ThreadPool& pool, float* acc, int ngroups, int T, int64_t ldo, int H, int nbH, bf16* dst) {
-  pool.parallel_for(nbH, [&](int64_t cb) {
-    const int c0 = static_cast<int>(cb) * kBlockN, nc = std::min(kBlockN, H - c0);
-    for (int g = 1; g < ngroups; ++g)
-      for (int t = 0; t < T; ++t)
-        for (int c = 0; c < nc; ++c) acc[t * ldo + c0 + c] += acc[(static_cast<size_t>(g) * T + t) * ldo + c0 + c];
-    store_columns(acc, T, ldo, H, c0, nc, dst);
-  });
+    for (int c = 0; c < nc; ++c) dst[static_cast<int64_t>(t) * H + c0 + c] = f32_to_bf16(acc[t * kBlockN + c]);
 }
 
 }  // namespace kt
