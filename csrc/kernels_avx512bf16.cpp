@@ -175,34 +175,35 @@ void lora_a_f32_avx512(int M, const float* X, int64_t ldx, const bf16* A, int r,
 }
 
 // The same for bf16 rows X: vdpbf16ps takes 32 K values of a row and of an A row as they are (the fp32 loop
-// above converts both, 16 values at a time: MoE T=512 spent 7.6% of its time there). Two rows share each load
-// of up to 8 A rows; a row's sums do not depend on the row it is paired with.
-void lora_a_bf16_avx512(int M, const bf16* X, int64_t ldx, const bf16* A, int r, int K, float* T, int64_t ldt) {
-  for (int m = 0; m < M; m += 2) {
-    const bf16* x0 = X + m * ldx;
-    const bf16* x1 = m + 1 < M ? x0 + ldx : x0;
-    for (int j = 0; j < r; j += 8) {
-      const int nj = r - j < 8 ? r - j : 8;
-      __m512 acc0[8], acc1[8];
-      for (int q = 0; q < 8; ++q) acc0[q] = acc1[q] = _mm512_setzero_ps();
-      for (int k = 0; k < K; k += 32) {
-        const __mmask32 mask = K - k >= 32 ? ~__mmask32(0) : __mmask32((1u << (K - k)) - 1);
-        const __m512bh xa = (__m512bh)_mm512_maskz_loadu_epi16(mask, x0 + k);
-        const __m512bh xb = (__m512bh)_mm512_maskz_loadu_epi16(mask, x1 + k);
+// above converts both, 16 values at a time: MoE T=512 spent 7.6% of its time there). MR rows (2, or 1 for the
+// last) share each load of up to 8 A rows; a row's sums do not depend on the rows it is computed with.
+template <int MR>
+void lora_a_rows(const bf16* X, int64_t ldx, const bf16* A, int r, int K, float* T, int64_t ldt) {
+  for (int j = 0; j < r; j += 8) {
+    const int nj = r - j < 8 ? r - j : 8;
+    __m512 acc[MR][8];
+    for (int i = 0; i < MR; ++i)
+      for (int q = 0; q < 8; ++q) acc[i][q] = _mm512_setzero_ps();
+    for (int k = 0; k < K; k += 32) {
+      const __mmask32 mask = K - k >= 32 ? ~__mmask32(0) : __mmask32((1u << (K - k)) - 1);
+      __m512bh x[MR];
+      for (int i = 0; i < MR; ++i) x[i] = (__m512bh)_mm512_maskz_loadu_epi16(mask, X + i * ldx + k);
 #pragma GCC unroll 8
-        for (int q = 0; q < 8; ++q) {
-          if (q >= nj) break;
-          const __m512bh a = (__m512bh)_mm512_maskz_loadu_epi16(mask, A + static_cast<int64_t>(j + q) * K + k);
-          acc0[q] = _mm512_dpbf16_ps(acc0[q], xa, a);
-          acc1[q] = _mm512_dpbf16_ps(acc1[q], xb, a);
-        }
-      }
-      for (int q = 0; q < nj; ++q) {
-        T[m * ldt + j + q] = _mm512_reduce_add_ps(acc0[q]);
-        if (m + 1 < M) T[(m + 1) * ldt + j + q] = _mm512_reduce_add_ps(acc1[q]);
+      for (int q = 0; q < 8; ++q) {
+        if (q >= nj) break;
+        const __m512bh a = (__m512bh)_mm512_maskz_loadu_epi16(mask, A + static_cast<int64_t>(j + q) * K + k);
+        for (int i = 0; i < MR; ++i) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], x[i], a);
       }
     }
+    for (int i = 0; i < MR; ++i)
+      for (int q = 0; q < nj; ++q) T[i * ldt + j + q] = _mm512_reduce_add_ps(acc[i][q]);
   }
+}
+
+void lora_a_bf16_avx512(int M, const bf16* X, int64_t ldx, const bf16* A, int r, int K, float* T, int64_t ldt) {
+  int m = 0;
+  for (; m + 2 <= M; m += 2) lora_a_rows<2>(X + m * ldx, ldx, A, r, K, T + m * ldt, ldt);
+  if (m < M) lora_a_rows<1>(X + m * ldx, ldx, A, r, K, T + m * ldt, ldt);
 }
 
 // e^x for x in about [-87, 88] (outside: clamped), rel. error ~2e-7: 2^n · p(r) with x = n ln2 + r, |r| <= ln2/2.
