@@ -17,6 +17,7 @@ namespace kt {
 using bf16 = uint16_t;
 constexpr int kBlockN = 64;
 constexpr int kPairRows = 3;
+constexpr int kScaledRows = 64;  // rows of one Kernels::gemm_block_scaled call at most
 
 inline float bf16_to_f32(bf16 v) {
   uint32_t u = static_cast<uint32_t>(v) << 16;
@@ -115,11 +116,11 @@ struct Kernels {
   // M rows of kp (a multiple of 32) bf16 values to Int16Rows form: q [M][kp], sums [M][kp / 32], scale [M]
   // (scale = amax / 32767: every bit of a bf16 input kept, error below 2^-15 of the row's largest value).
   void (*quantize_rows)(int M, const bf16* A, int64_t lda, int kp, int16_t* q, int32_t* sums, float* scale);
-  // The scales of one K chunk of a decoded block, for M rows: C[m][c] (+)= P[m][c] · s[c] + off[c] · xsum[m]
-  // (xsum: the rows' input sums over the chunk; no offset term when off is null), c < 64; C = rather than +=
-  // when first. P rows are 64 floats apart.
-  void (*scale_rows)(int M, const float* P, const float* s, const float* off, const float* xsum, float* C,
-                     int64_t ldc, bool first);
+  // gemm_block over one K chunk of a decoded block (kp: the chunk's length, M <= kScaledRows), with the chunk's
+  // scales applied: C[m][c] (+)= (Σ_k A[m][k] · D[c][k]) · s[c] + off[c] · xsum[m] (xsum: the rows' input sums
+  // over the chunk; no offset term when off is null), c < 64; C = rather than += when first.
+  void (*gemm_block_scaled)(int M, const bf16* A, int64_t lda, const bf16* block, int kp, const float* s,
+                            const float* off, const float* xsum, float* C, int64_t ldc, bool first);
   // From this many rows an int8 / int4 block is decoded to bf16 and run through gemm_block rather than the
   // register-decoding qgemm_block. AVX2 (never): its vpmaddwd path outruns its fp32 FMAs on bf16 at any row
   // count. AVX512 and AMX from 16 rows, where vdpbf16ps / the tiles outrun vpdpwssd (Zen 4, MoE T=512: int8

@@ -9,6 +9,7 @@
 // TDPBF16PS).
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -50,8 +51,9 @@ inline void zero_accumulators() {
   _tile_zero(3);
 }
 
-// 32 (a0 + a1) rows × 32 columns starting at column tile ct (0 or 2) of the block.
-inline void tile_2x2(const bf16* A, int64_t lda, const bf16* block, int kp, int ct, float* C, int64_t ldc) {
+// 32 (a0 + a1) rows × 32 columns starting at column tile ct (0 or 2) of the block, left in tiles 0-3 (rows
+// 0-15 in 0 and 1, rows 16-31 in 2 and 3).
+inline void tile_2x2(const bf16* A, int64_t lda, const bf16* block, int kp, int ct) {
   zero_accumulators();
   const int64_t sa = lda * 2;
   for (int k0 = 0; k0 < kp; k0 += 32) {
@@ -65,6 +67,9 @@ inline void tile_2x2(const bf16* A, int64_t lda, const bf16* block, int kp, int 
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
   }
+}
+
+inline void store_2x2(float* C, int64_t ldc, int ct) {
   const int64_t sc = ldc * 4;
   _tile_stored(0, C + 16 * ct, sc);
   _tile_stored(1, C + 16 * (ct + 1), sc);
@@ -72,11 +77,11 @@ inline void tile_2x2(const bf16* A, int64_t lda, const bf16* block, int kp, int 
   _tile_stored(3, C + 16 * ldc + 16 * (ct + 1), sc);
 }
 
-// up to 16 rows × 64 columns. Few rows make few tile products per byte, so the block streams from memory at the
+// up to 16 rows × 64 columns, left in tiles 0-3 (columns 16t to 16t + 15 in tile t). Few rows make few tile products per byte, so the block streams from memory at the
 // rate its loads are in flight: the next K step's 16 block rows (4 KiB) are prefetched into L1 (MoE decode from
 // DRAM, calls alternated in one process: T=1 3.03 -> 2.74 ms, T=8 15.7 -> 14.2 ms; 2-8 KiB ahead within 4% of
 // that). Many rows (tile_2x2) gained nothing from the same.
-inline void tile_1x4(const bf16* A, int64_t lda, const bf16* block, int kp, float* C, int64_t ldc) {
+inline void tile_1x4(const bf16* A, int64_t lda, const bf16* block, int kp) {
   zero_accumulators();
   const int64_t sa = lda * 2;
   constexpr int kStepBytes = 16 * kBlockN * 2 * 2;
@@ -96,40 +101,86 @@ inline void tile_1x4(const bf16* A, int64_t lda, const bf16* block, int kp, floa
     _tile_dpbf16ps(2, 4, 6);
     _tile_dpbf16ps(3, 4, 7);
   }
+}
+
+inline void store_1x4(float* C, int64_t ldc) {
   const int64_t sc = ldc * 4;
-  for (int t = 0; t < 4; ++t) {
-    switch (t) {
-      case 0: _tile_stored(0, C, sc); break;
-      case 1: _tile_stored(1, C + 16, sc); break;
-      case 2: _tile_stored(2, C + 32, sc); break;
-      case 3: _tile_stored(3, C + 48, sc); break;
-    }
-  }
+  _tile_stored(0, C, sc);
+  _tile_stored(1, C + 16, sc);
+  _tile_stored(2, C + 32, sc);
+  _tile_stored(3, C + 48, sc);
 }
 
 const kt::Kernels* g_avx512 = nullptr;
+
+// The tile passes over M rows of one block, each left in tiles 0-3 for done(m, rows0, rows1, ct): 32 rows (rows0
+// in tiles 0-1, rows1 in 2-3) × 32 columns from column tile ct, or (ct = -1) up to 16 rows × 64 columns.
+template <class Done>
+void for_tile_passes(int M, const bf16* A, int64_t lda, const bf16* block, int kp, Done done) {
+  int m = 0;
+  for (; M - m > 16; m += 32) {
+    const int a1 = std::min(16, M - m - 16);
+    configure(16, a1);
+    for (int ct = 0; ct < 4; ct += 2) {
+      tile_2x2(A + m * lda, lda, block, kp, ct);
+      done(m, 16, a1, ct);
+    }
+  }
+  if (M - m > 0) {
+    configure(M - m, 0);
+    tile_1x4(A + m * lda, lda, block, kp);
+    done(m, M - m, 0, -1);
+  }
+  _tile_release();  // no tile state left for context switches to save
+}
 
 // A rows readable up to kp. kp % 32 == 0 always (PackedWeights pads K to 32, decoded chunks are whole groups);
 // the AVX512 kernel would take any other.
 void gemm_block_amx(int M, const bf16* A, int64_t lda, const bf16* block, int kp, float* C, int64_t ldc) {
   if (M <= 0) return;
   if (kp % 32 != 0) return g_avx512->gemm_block(M, A, lda, block, kp, C, ldc);
-  int m = 0;
-  for (; M - m >= 32; m += 32) {
-    configure(16, 16);
-    tile_2x2(A + m * lda, lda, block, kp, 0, C + m * ldc, ldc);
-    tile_2x2(A + m * lda, lda, block, kp, 2, C + m * ldc, ldc);
+  for_tile_passes(M, A, lda, block, kp, [&](int m, int, int, int ct) {
+    if (ct < 0)
+      store_1x4(C + m * ldc, ldc);
+    else
+      store_2x2(C + m * ldc, ldc, ct);
+  });
+}
+
+// C rows (+)= t · s + off · xsum[r] for one 16-column tile stored at t (rows 64 bytes apart): the scales of a
+// decoded chunk applied as its tiles come out, while they and C's rows are in L1.
+inline void scale_tile(const float* t, int rows, const float* s, const float* off, const float* xsum, float* C,
+                       int64_t ldc, bool first) {
+  const __m512 sv = _mm512_loadu_ps(s);
+  const __m512 ov = off ? _mm512_loadu_ps(off) : _mm512_setzero_ps();
+  for (int r = 0; r < rows; ++r) {
+    __m512 y = _mm512_mul_ps(_mm512_load_ps(t + 16 * r), sv);
+    if (off) y = _mm512_fmadd_ps(ov, _mm512_set1_ps(xsum[r]), y);
+    float* c = C + r * ldc;
+    _mm512_storeu_ps(c, first ? y : _mm512_add_ps(y, _mm512_loadu_ps(c)));
   }
-  if (M - m > 16) {
-    const int a1 = M - m - 16;
-    configure(16, a1);
-    tile_2x2(A + m * lda, lda, block, kp, 0, C + m * ldc, ldc);
-    tile_2x2(A + m * lda, lda, block, kp, 2, C + m * ldc, ldc);
-  } else if (M - m > 0) {
-    configure(M - m, 0);
-    tile_1x4(A + m * lda, lda, block, kp, C + m * ldc, ldc);
-  }
-  _tile_release();  // no tile state left for context switches to save
+}
+
+void gemm_block_scaled_amx(int M, const bf16* A, int64_t lda, const bf16* block, int kp, const float* s,
+                           const float* off, const float* xsum, float* C, int64_t ldc, bool first) {
+  if (M <= 0) return;
+  if (kp % 32 != 0) return g_avx512->gemm_block_scaled(M, A, lda, block, kp, s, off, xsum, C, ldc, first);
+  alignas(64) float t[4][16 * 16];
+  for_tile_passes(M, A, lda, block, kp, [&](int m, int rows0, int rows1, int ct) {
+    for (int q = 0; q < 4; ++q) switch (q) {  // tile numbers must be constants
+        case 0: _tile_stored(0, t[0], 64); break;
+        case 1: _tile_stored(1, t[1], 64); break;
+        case 2: _tile_stored(2, t[2], 64); break;
+        case 3: _tile_stored(3, t[3], 64); break;
+      }
+    for (int q = 0; q < 4; ++q) {
+      // 2x2 (ct 0 or 2): tile q holds rows 16 (q / 2) on, columns 16 (ct + q % 2); 1x4 (ct < 0): columns 16q
+      const int r0 = ct < 0 ? 0 : 16 * (q / 2), rows = ct < 0 || q < 2 ? rows0 : rows1;
+      const int c0 = ct < 0 ? 16 * q : 16 * (ct + q % 2);
+      scale_tile(t[q], rows, s + c0, off ? off + c0 : nullptr, off ? xsum + m + r0 : nullptr,
+                 C + (m + r0) * ldc + c0, ldc, first);
+    }
+  });
 }
 
 void gemm_block_pair_amx(int M, const bf16* A0, const bf16* A1, int64_t lda, const bf16* block0, const bf16* block1,
@@ -149,6 +200,7 @@ const Kernels* kernels_amx_bf16() {
     t.name = "amx_bf16";
     t.gemm_block = gemm_block_amx;
     t.gemm_block_pair = gemm_block_pair_amx;
+    t.gemm_block_scaled = gemm_block_scaled_amx;
     t.int_decode_min_rows = 16;  // from here int8 / int4 blocks decoded to bf16 go through the tiles
     return t;
   }();

@@ -25,6 +25,7 @@
 namespace kt {
 
 constexpr int kRowBlock = 64;   // rows per GEMM task (and per local tile)
+static_assert(kRowBlock <= kScaledRows, "a decoded block's GEMM takes kScaledRows rows a call");
 constexpr int kChunkRows = 16;  // rows per task in the row-wise LoRA phases
 
 inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }

@@ -175,8 +175,7 @@ void decoded_gemm(const Kernels& kern, int M, const bf16* A, int64_t lda, const 
                   int64_t ldc, const Int16Rows* X) {
   const int chunk = l.fmt == Format::int8 ? std::min(l.kp, 4096) : l.group;
   thread_local Buffer<bf16> decoded;
-  thread_local float part[64 * kBlockN];  // M <= 64 (kRowBlock)
-  thread_local float xsum[64];
+  thread_local float xsum[kScaledRows];  // M <= kScaledRows: kRowBlock rows a task
   thread_local QuantizedRows own;
   if (l.fmt == Format::int4 && !X) {
     own.reserve(M, l.kp);
@@ -194,11 +193,11 @@ void decoded_gemm(const Kernels& kern, int M, const bf16* A, int64_t lda, const 
       for (int64_t i = 0; i < std::min<int64_t>(chunk_bytes, 8192); i += 64) prefetch_l2(next + i);
     }
     kern.decode_rows(l, b.w, k0 / 2, (k0 + kc) / 2, d);
-    kern.gemm_block(M, A + k0, lda, d, kc, part, kBlockN);
     const float* s = b.s + (k0 / l.group) * l.group_floats();
     if (l.fmt == Format::int4)
       for (int m = 0; m < M; ++m) xsum[m] = rows.scale[m] * static_cast<float>(rows.sum(m, k0, k0 + kc));
-    kern.scale_rows(M, part, s, l.fmt == Format::int4 ? s + kBlockN : nullptr, xsum, C, ldc, k0 == 0);
+    kern.gemm_block_scaled(M, A + k0, lda, d, kc, s, l.fmt == Format::int4 ? s + kBlockN : nullptr, xsum, C, ldc,
+                           k0 == 0);
   }
 }
 
