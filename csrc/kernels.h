@@ -17,7 +17,7 @@ namespace kt {
 using bf16 = uint16_t;
 constexpr int kBlockN = 64;
 constexpr int kPairRows = 3;
-constexpr int kScaledRows = 64;  // rows of one Kernels::gemm_block_scaled call at most
+constexpr int kScaledRows = 80;  // rows of one GEMM call on a quantized block at most (a MoE task's run of rows)
 
 inline float bf16_to_f32(bf16 v) {
   uint32_t u = static_cast<uint32_t>(v) << 16;

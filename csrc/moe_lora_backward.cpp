@@ -148,8 +148,8 @@ void MoELoRA::backward(const bf16* grad_out, bf16* grad_x, float* grad_w) {
     for (int e : groups[grp]) {
       if (rt.expert_begin[e + 1] == rt.expert_begin[e]) continue;
       const bf16* wgu = gate_up_t(e, cb);
-      for (int r0 = rt.expert_begin[e]; r0 < rt.expert_begin[e + 1]; r0 += kRowBlock) {
-        const int r1 = std::min(r0 + kRowBlock, rt.expert_begin[e + 1]);
+      for (int r0 = rt.expert_begin[e], r1; r0 < rt.expert_begin[e + 1]; r0 = r1) {
+        r1 = run_end(r0, rt.expert_begin[e + 1]);
         k_.gemm_block(r1 - r0, dgu + r0 * ldgu, ldgu, wgu, static_cast<int>(ldgu), C, kBlockN);
         for_segments(rt, e, r0, r1, [&](const Route::Segment& s, int b, int end) {
           const Adapter* a = rt.seg_adapter(s);

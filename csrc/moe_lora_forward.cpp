@@ -200,8 +200,8 @@ void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, 
         continue;
       }
       prefetch_lora(e);
-      for (int r0 = b; r0 < rt.expert_begin[e + 1]; r0 += kRowBlock) {
-        const int r1 = std::min(r0 + kRowBlock, rt.expert_begin[e + 1]);
+      for (int r0 = b, r1; r0 < rt.expert_begin[e + 1]; r0 = r1) {
+        r1 = run_end(r0, rt.expert_begin[e + 1]);
         const Int16Rows h = hrows(r0);
         gemm_block(k_, r1 - r0, Hb + r0 * ldh, ldh, down_, e, cb, tl_tile[0], kBlockN, hq(h));
         finish(e, r0, r1, tl_tile[0]);

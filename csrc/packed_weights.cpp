@@ -175,7 +175,7 @@ void decoded_gemm(const Kernels& kern, int M, const bf16* A, int64_t lda, const 
                   int64_t ldc, const Int16Rows* X) {
   const int chunk = l.fmt == Format::int8 ? std::min(l.kp, 4096) : l.group;
   thread_local Buffer<bf16> decoded;
-  thread_local float xsum[kScaledRows];  // M <= kScaledRows: kRowBlock rows a task
+  thread_local float xsum[kScaledRows];  // M <= kScaledRows: a MoE task's run of rows
   thread_local QuantizedRows own;
   if (l.fmt == Format::int4 && !X) {
     own.reserve(M, l.kp);
@@ -183,6 +183,7 @@ void decoded_gemm(const Kernels& kern, int M, const bf16* A, int64_t lda, const 
   }
   const Int16Rows rows = X ? *X : own.at(0);
   bf16* d = decoded.get(static_cast<size_t>(chunk) * kBlockN);
+  float* xs = xsum;  // once: each use of a thread_local in the loop is a call to __tls_get_addr
   const int64_t chunk_bytes = static_cast<int64_t>(chunk / 2) * l.row_bytes();
   for (int k0 = 0; k0 < l.kp; k0 += chunk) {
     const int kc = std::min(chunk, l.kp - k0);
@@ -195,8 +196,8 @@ void decoded_gemm(const Kernels& kern, int M, const bf16* A, int64_t lda, const 
     kern.decode_rows(l, b.w, k0 / 2, (k0 + kc) / 2, d);
     const float* s = b.s + (k0 / l.group) * l.group_floats();
     if (l.fmt == Format::int4)
-      for (int m = 0; m < M; ++m) xsum[m] = rows.scale[m] * static_cast<float>(rows.sum(m, k0, k0 + kc));
-    kern.gemm_block_scaled(M, A + k0, lda, d, kc, s, l.fmt == Format::int4 ? s + kBlockN : nullptr, xsum, C, ldc,
+      for (int m = 0; m < M; ++m) xs[m] = rows.scale[m] * static_cast<float>(rows.sum(m, k0, k0 + kc));
+    kern.gemm_block_scaled(M, A + k0, lda, d, kc, s, l.fmt == Format::int4 ? s + kBlockN : nullptr, xs, C, ldc,
                            k0 == 0);
   }
 }

@@ -377,6 +377,27 @@ def test_forward_512_tokens(isa, case):
     check_forward(m.forward_sft(x, ids, w, slots=0), x, ids, w, deq, src, quantizes, lora=lo)
 
 
+def runs_routing(seed):
+    """160 tokens, top-2: expert 0 takes 70 rows (one GEMM run: up to 80 rows go in one), 1 takes 81 (a run of 64,
+    then 17), 2 takes 9 and 3 every token (runs of 64, 64 and 32)."""
+    g = torch.Generator().manual_seed(seed)
+    col1 = torch.tensor([0] * 70 + [1] * 81 + [2] * 9)[torch.randperm(160, generator=g)]
+    ids = torch.stack([col1, torch.full((160,), 3)], dim=1)
+    return ids, torch.rand(160, 2, generator=g)
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("isa", ISAS)
+def test_forward_row_runs(isa, case):
+    E, H, I = 4, 130, 66
+    m, deq, src, quantizes = experts(case, E, H, I, isa, seed=45, max_slots=1)
+    lo = make_lora(E, H, I, 4, seed=46)
+    m.set_adapter(0, ExpertLoRA.from_kt(lo, lo["alpha"]))
+    ids, w = runs_routing(47)
+    x = torch.randn(160, H).to(torch.bfloat16)
+    check_forward(m.forward_sft(x, ids, w, slots=0), x, ids, w, deq, src, quantizes, per_token=True, lora=lo)
+
+
 def module_for(case, E, H, I, r, alpha, isa, seed):
     kw, src, quantizes = base_weights(case, E, H, I, seed)
     mod = MoELoRAExperts(**kw, rank=r, alpha=alpha, isa=isa, weight_format=case[0], group_size=case[1])
@@ -385,11 +406,11 @@ def module_for(case, E, H, I, r, alpha, isa, seed):
     return mod, (d["gate_proj"], d["up_proj"], d["down_proj"]), src, quantizes
 
 
-def check_backward(case, isa, E, H, I, r, T, k, seed):
+def check_backward(case, isa, E, H, I, r, T, k, seed, route=None):
     mod, deq, src, quantizes = module_for(case, E, H, I, r, 2.0 * r, isa, seed)
     lo = make_lora(E, H, I, r, seed=seed + 1, scale=0.2)
     x = torch.randn(T, H).to(torch.bfloat16)
-    ids, w = routing(T, k, E, seed=seed + 2)
+    ids, w = route if route is not None else routing(T, k, E, seed=seed + 2)
     if T > 1:
         ids[0, 0] = -1  # a skipped pair gets grad_w 0
     grad_out = torch.randn(T, H).to(torch.bfloat16)
@@ -411,6 +432,11 @@ def test_backward(isa, case, T):
 @pytest.mark.parametrize("case", CASES[1:], ids=CASE_IDS[1:])  # the quantized ones (bf16: tests/test_kernel.py)
 def test_backward_512_tokens(case):
     check_backward(case, ISAS[-1], E=16, H=130, I=66, r=8, T=512, k=4, seed=60)
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_backward_row_runs(case):
+    check_backward(case, ISAS[-1], E=4, H=130, I=66, r=4, T=160, k=2, seed=65, route=runs_routing(66))
 
 
 @pytest.mark.parametrize("isa", ISAS)
