@@ -377,6 +377,28 @@ def test_forward_512_tokens(isa, case):
     check_forward(m.forward_sft(x, ids, w, slots=0), x, ids, w, deq, src, quantizes, lora=lo)
 
 
+@pytest.mark.parametrize("group", [256, 512])
+@pytest.mark.parametrize("isa", ISAS)
+def test_int4_largest_sums(isa, group):
+    """int4 products summed in int32 at their bound: every input at its row's largest magnitude (int16 32767),
+    every weight its group's maximum (code 15) but the group's first (the minimum, code 0), K = 1024: a group of
+    512 must be summed in chunks (256 K values of 32767 · 16 · 15, as the AVX512 kernel multiplies nibble 1, are
+    just below 2^31). One token (codes in registers) and 40 (decoded to bf16)."""
+    E, H, I = 1, 1024, 64
+    def weights(n, k):
+        w = torch.full((E, n, k), 0.01)
+        w[..., ::group] = -0.01
+        return w.to(torch.bfloat16)
+    gate, up, down = weights(I, H), weights(I, H), weights(H, I)
+    m = MoEExperts(gate, up, down, weight_format="int4", group_size=group, isa=isa, max_tokens=40)
+    d = m.dequantized()
+    for T in (1, 40):
+        x = torch.full((T, H), 1.0).to(torch.bfloat16)
+        ids, w = torch.zeros(T, 1, dtype=torch.int64), torch.ones(T, 1)
+        ref = moe_lora_reference(x, ids, w, d["gate_proj"], d["up_proj"], d["down_proj"])
+        assert rel_l2(m.forward_sft(x, ids, w), ref) <= TOL, T
+
+
 def runs_routing(seed):
     """160 tokens, top-2: expert 0 takes 70 rows (one GEMM run: up to 80 rows go in one), 1 takes 81 (a run of 64,
     then 17), 2 takes 9 and 3 every token (runs of 64, 64 and 32)."""
