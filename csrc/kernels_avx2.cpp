@@ -295,14 +295,17 @@ inline void igemm_pass(const kt::Int16Rows& X, const kt::Layout& l, kt::Block b,
       for (int m = 0; m < MR; ++m) acc[m][v] = _mm256_add_epi32(acc[m][v], _mm256_madd_epi16(a[m], w));
     }
   }
-  const int g = k0 / l.group, gf = l.group_floats();
+  const int g = k0 / l.group;
   for (int m = 0; m < MR; ++m) {
     const __m256 sx = _mm256_set1_ps(X.scale[m]);
     const __m256 xsum = _mm256_set1_ps(D::kOffsets ? X.scale[m] * X.sum(m, k0, k1) : 0.f);
     for (int v = 0; v < NC; ++v) {
-      const float* s = b.s + g * gf + 8 * (v0 + v);
-      __m256 r = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[m][v]), _mm256_mul_ps(_mm256_loadu_ps(s), sx));
-      if (D::kOffsets) r = _mm256_fmadd_ps(_mm256_loadu_ps(s + 64), xsum, r);
+      // int8: fp32 scales; int4: scale words, bf16 scale in the low half and minimum in the high half
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.s + g * kt::Layout::kScaleWords + 8 * (v0 + v)));
+      const __m256 s = _mm256_castsi256_ps(D::kOffsets ? _mm256_slli_epi32(raw, 16) : raw);
+      __m256 r = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[m][v]), _mm256_mul_ps(s, sx));
+      if (D::kOffsets)
+        r = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xffff0000u)))), xsum, r);
       float* c = C + m * ldc + 8 * (v0 + v);
       _mm256_storeu_ps(c, k0 == 0 ? r : _mm256_add_ps(r, _mm256_loadu_ps(c)));
     }

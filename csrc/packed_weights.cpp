@@ -2,8 +2,9 @@
 //
 // Quantization rules (restated independently by tests/test_kernel_formats.py):
 //   int8  per output row n: s = amax_k |W[n][k]| / 127, q = clamp(nearbyint(W / s), -127, 127)
-//   int4  per row n and K group: lo = min W, s = (max W - lo) / 15, q = clamp(nearbyint((W - lo) / s), 0, 15),
-//         W ≈ q · s + lo (asymmetric: 0.09 nats of served error at group 128 against 0.24 symmetric, see the notes)
+//   int4  per row n and K group: lo = min W, s = (max W - lo) / 15, both kept as bf16 (nearest even; s = 1 if
+//         that is 0), q = clamp(nearbyint((W - lo) / s), 0, 15) with those, W ≈ q · s + lo (asymmetric: 0.09 nats
+//         of served error at group 128 against 0.24 symmetric, see the notes)
 //   fp8   from a float source, per 64 rows × K group: s = amax / 448, q = e4m3(W / s) (nearest even);
 //         from an fp8 checkpoint the bytes and block scales are taken as they are (pack_fp8)
 // with s = 1 where the range is 0; divisions in fp32, nearbyint rounds half to even.
@@ -79,7 +80,7 @@ void PackedWeights::quantize_block(int e, int b, const float* tile) {
   uint8_t* w = data.data() + bi * l.block_bytes();
   float* s = l.fmt == Format::bf16 ? nullptr : scales.data() + bi * l.block_scales();
   // Scales first: per column (int8), per column and group (int4, with the minimums), per group of the block (fp8).
-  const int gf = l.group_floats();
+  const int gf = Layout::kScaleWords;
   for (int g = 0; g < ng; ++g) {
     const int k0 = g * l.group, kn = std::min(l.group, kp - k0);
     float block_max = 0.f;
@@ -90,8 +91,9 @@ void PackedWeights::quantize_block(int e, int b, const float* tile) {
       if (l.fmt == Format::int4) {
         const int n = std::min(kn, K - k0);  // the K padding is not data: it would widen the range
         const float lo = n > 0 ? *std::min_element(w_, w_ + n) : 0.f, hi = n > 0 ? *std::max_element(w_, w_ + n) : 0.f;
-        s[g * gf + c] = hi > lo ? (hi - lo) / 15.f : 1.f;
-        s[g * gf + 64 + c] = lo;
+        const bf16 scale = f32_to_bf16(hi > lo ? (hi - lo) / 15.f : 1.f);
+        const uint32_t word = int4_scale_word(scale != 0 ? scale : f32_to_bf16(1.f), f32_to_bf16(lo));
+        std::memcpy(&s[g * gf + c], &word, 4);
         continue;
       }
       const float a = l.fmt == Format::fp8 ? block_max : amax(w_, kn);
@@ -114,7 +116,8 @@ void PackedWeights::quantize_block(int e, int b, const float* tile) {
           break;
         case Format::fp8: row[i] = f32_to_e4m3(v / s[g * gf + c]); break;
         case Format::int4: {
-          const float q = k < K ? std::nearbyint((v - s[g * gf + 64 + c]) / s[g * gf + c]) : 0.f;
+          const float* word = &s[g * gf + c];
+          const float q = k < K ? std::nearbyint((v - int4_min(word)) / int4_scale(word)) : 0.f;
           const int code = static_cast<int>(std::clamp(q, 0.f, 15.f));
           const int v4 = i / 32, lane = i % 32;
           if (v4 == 0) row[2 * lane] = row[2 * lane + 1] = 0;
@@ -184,6 +187,7 @@ void decoded_gemm(const Kernels& kern, int M, const bf16* A, int64_t lda, const 
   const Int16Rows rows = X ? *X : own.at(0);
   bf16* d = decoded.get(static_cast<size_t>(chunk) * kBlockN);
   float* xs = xsum;  // once: each use of a thread_local in the loop is a call to __tls_get_addr
+  alignas(64) float scale[kBlockN], minimum[kBlockN];  // int4's of the chunk, as fp32
   const int64_t chunk_bytes = static_cast<int64_t>(chunk / 2) * l.row_bytes();
   for (int k0 = 0; k0 < l.kp; k0 += chunk) {
     const int kc = std::min(chunk, l.kp - k0);
@@ -194,11 +198,13 @@ void decoded_gemm(const Kernels& kern, int M, const bf16* A, int64_t lda, const 
       for (int64_t i = 0; i < std::min<int64_t>(chunk_bytes, 8192); i += 64) prefetch_l2(next + i);
     }
     kern.decode_rows(l, b.w, k0 / 2, (k0 + kc) / 2, d);
-    const float* s = b.s + (k0 / l.group) * l.group_floats();
-    if (l.fmt == Format::int4)
+    const float* s = b.s + (k0 / l.group) * Layout::kScaleWords;
+    if (l.fmt == Format::int4) {
       for (int m = 0; m < M; ++m) xs[m] = rows.scale[m] * static_cast<float>(rows.sum(m, k0, k0 + kc));
-    kern.gemm_block_scaled(M, A + k0, lda, d, kc, s, l.fmt == Format::int4 ? s + kBlockN : nullptr, xs, C, ldc,
-                           k0 == 0);
+      for (int c = 0; c < kBlockN; ++c) scale[c] = int4_scale(s + c), minimum[c] = int4_min(s + c);
+      s = scale;
+    }
+    kern.gemm_block_scaled(M, A + k0, lda, d, kc, s, l.fmt == Format::int4 ? minimum : nullptr, xs, C, ldc, k0 == 0);
   }
 }
 

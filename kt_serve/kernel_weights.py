@@ -7,7 +7,8 @@ Formats (``csrc/weight_format.h`` has the byte layouts, ``csrc/packed_weights.cp
 - ``fp8``: e4m3 with one fp32 scale per (column, K group); an FP8 checkpoint keeps its bytes and
   ``weight_scale_inv`` blocks exactly, bf16 weights are quantized per 64 rows × ``group_size`` K values.
 - ``int8``: symmetric, one scale per output channel.
-- ``int4``: asymmetric, a scale and a minimum per output channel and ``group_size`` K values, two values a byte.
+- ``int4``: asymmetric, a bf16 scale and a bf16 minimum per output channel and ``group_size`` K values, two values a
+  byte.
 """
 
 from __future__ import annotations
@@ -159,11 +160,11 @@ def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, weight_block_size: 
     return w.float() * s
 
 
-# Bytes per routed-expert weight in the kernel: the values plus their fp32 scales per 64-column block
-# (csrc/weight_format.h): int8 one scale per row of K values, fp8 one per column and K group, int4 a scale and a
-# minimum per column and group.
+# Bytes per routed-expert weight in the kernel: the values plus their 32-bit scale words per 64-column block
+# (csrc/weight_format.h): int8 an fp32 scale per row of K values, fp8 one per column and K group, int4 a bf16
+# scale and a bf16 minimum per column and group.
 def bytes_per_weight(fmt: str, k: int, group_size: int = 128, fp8_block_k: int = 128) -> float:
-    return {"bf16": 2.0, "int8": 1.0 + 4 / k, "fp8": 1.0 + 4 / fp8_block_k, "int4": 0.5 + 8 / group_size}[fmt]
+    return {"bf16": 2.0, "int8": 1.0 + 4 / k, "fp8": 1.0 + 4 / fp8_block_k, "int4": 0.5 + 4 / group_size}[fmt]
 
 
 def expert_bytes(H: int, I: int, fmt: str, group_size: int = 128) -> float:

@@ -19,14 +19,16 @@ def ref_int8(w):
 
 
 def ref_int4(w, group):
-    """Asymmetric per row and K group (the last one partial): lo = min, s = (max - lo) / 15 (1 where flat),
-    q = clamp(round((W - lo) / s), 0, 15), W ≈ q · s + lo rounded once (the kernel's fused multiply-add): in float64
-    q · s is exact and so is the sum (lo and q · s are of like magnitude), so the one rounding is the cast to fp32."""
+    """Asymmetric per row and K group (the last one partial): lo = min, s = (max - lo) / 15 (1 where flat), both
+    stored as bf16 (nearest even), q = clamp(round((W - lo16) / s16), 0, 15), W ≈ q · s16 + lo16 rounded once (the
+    kernel's fused multiply-add): in float64 q · s16 is exact and so is the sum (lo16 and q · s16 are of like
+    magnitude), so the one rounding is the cast to fp32."""
     out = torch.empty_like(w)
     for k0 in range(0, w.shape[-1], group):  # groups start at multiples of `group`; the K padding is not in them
         seg = w[..., k0 : k0 + group]
         lo, hi = seg.amin(-1, keepdim=True), seg.amax(-1, keepdim=True)
-        s = torch.where(hi > lo, (hi - lo) / 15, torch.ones_like(lo))
+        s = torch.where(hi > lo, (hi - lo) / 15, torch.ones_like(lo)).bfloat16().float()
+        lo = lo.bfloat16().float()
         q = torch.round((seg - lo) / s).clamp(0, 15)
         out[..., k0 : k0 + group] = (q.double() * s.double() + lo.double()).float()
     return out

@@ -642,7 +642,7 @@ def test_bad_format_arguments_raise_clear_errors():
 def test_expert_memory_per_format_from_a_config():
     """python -m kt_serve.kernel_weights: Qwen3-30B-A3B's routed experts, counted by hand (48 layers x 128 experts x
     gate, up [768, 2048] and down [2048, 768]): bf16 2 bytes a weight; int8 1 plus one fp32 scale per row;
-    int4 half a byte plus a scale and a minimum per 128 K values; fp8 1 plus a scale per 128 K values."""
+    int4 half a byte plus a bf16 scale and a bf16 minimum per 128 K values; fp8 1 plus a scale per 128 K values."""
     from kt_serve.kernel_weights import expert_memory
 
     config = {"num_experts": 128, "hidden_size": 2048, "moe_intermediate_size": 768, "num_hidden_layers": 48}
@@ -651,7 +651,7 @@ def test_expert_memory_per_format_from_a_config():
     mem = expert_memory(config)
     assert mem["bf16"] == 2 * weights
     assert mem["int8"] == pytest.approx(weights + 4 * rows, rel=1e-12)
-    assert mem["int4"] == pytest.approx(weights / 2 + 8 * weights / 128, rel=1e-12)
+    assert mem["int4"] == pytest.approx(weights / 2 + 4 * weights / 128, rel=1e-12)
     assert mem["fp8"] == pytest.approx(weights + 4 * weights / 128, rel=1e-12)
     deepseek = {"n_routed_experts": 256, "hidden_size": 7168, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
                 "first_k_dense_replace": 3}
