@@ -85,7 +85,8 @@ struct BackwardScratch {
 void build_route(MoELoRA::Route& rt, int E, int T, int k, const void* ids, bool ids64, const int32_t* slots,
                  int uniform_slot, const std::vector<std::shared_ptr<const Adapter>>& table);
 
-// GEMM tasks: all rows of one expert and one 64-column block, walked by for_row_blocks in runs (run_end). One task for all runs reads the block from memory once; the later runs find it in L2.
+// GEMM tasks: all rows of one expert and one 64-column block, walked by for_row_blocks in runs (run_end). One
+// task for all runs reads the block from memory once; the later runs find it in L2.
 struct BlockTask {
   int e, r0, r1, cb;
 };

@@ -106,22 +106,18 @@ inline float block_value(const Layout& l, const uint8_t* block, int kk, int i) {
 inline uint32_t int4_scale_word(uint16_t scale_bf16, uint16_t min_bf16) {
   return static_cast<uint32_t>(scale_bf16) | static_cast<uint32_t>(min_bf16) << 16;
 }
-inline float int4_scale(const float* word) {
+inline uint32_t int4_word_bits(const float* word) {
   uint32_t u;
   std::memcpy(&u, word, 4);
-  u <<= 16;
+  return u;
+}
+inline float f32_of_bits(uint32_t u) {
   float f;
   std::memcpy(&f, &u, 4);
   return f;
 }
-inline float int4_min(const float* word) {
-  uint32_t u;
-  std::memcpy(&u, word, 4);
-  u &= 0xffff0000u;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+inline float int4_scale(const float* word) { return f32_of_bits(int4_word_bits(word) << 16); }
+inline float int4_min(const float* word) { return f32_of_bits(int4_word_bits(word) & 0xffff0000u); }
 
 // Scale and offset of value i of a row in group g: W = value · scale + offset (offset 0 but for int4).
 inline float block_scale(const Layout& l, const Block& b, int g, int i) {
