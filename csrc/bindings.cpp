@@ -207,14 +207,17 @@ PYBIND11_MODULE(_kernel, m) {
   m.def(
       "decode_attention",
       [](int B, int Hq, int Hkv, int D, int Dv, uintptr_t q, int64_t ldq, uintptr_t k, int64_t ldk, uintptr_t v,
-         int64_t ldv, uintptr_t req_to_token, int64_t ld_req, uintptr_t req_pool_indices, uintptr_t seq_lens,
-         float scale, uintptr_t out, int64_t ldo, const std::string& isa) {
+         int64_t ldv, int64_t slots, uintptr_t req_to_token, int64_t ld_req, uintptr_t req_pool_indices,
+         uintptr_t seq_lens, float scale, uintptr_t out, int64_t ldo, uintptr_t new_k, int64_t ld_new_k,
+         uintptr_t new_v, int64_t ld_new_v, uintptr_t cache_loc, const std::string& isa) {
         const kt::Kernels& kern = kt::select_kernels(isa.c_str());
-        const kt::PagedKV kv{ptr<const bf16>(k), ldk, ptr<const bf16>(v), ldv, ptr<const int32_t>(req_to_token),
-                             ld_req};
+        const kt::PagedKV kv{ptr<bf16>(k), ldk, ptr<bf16>(v), ldv, slots, ptr<const int32_t>(req_to_token), ld_req};
+        const kt::NewKV fresh{ptr<const bf16>(new_k), ld_new_k, ptr<const bf16>(new_v), ld_new_v,
+                              ptr<const int64_t>(cache_loc)};
         py::gil_scoped_release nogil;
-        kt::decode_attention(B, Hq, Hkv, D, Dv, ptr<const bf16>(q), ldq, kv, ptr<const int64_t>(req_pool_indices),
-                             ptr<const int64_t>(seq_lens), scale, ptr<bf16>(out), ldo, kern);
+        kt::decode_attention(B, Hq, Hkv, D, Dv, ptr<const bf16>(q), ldq, kv, cache_loc ? &fresh : nullptr,
+                             ptr<const int64_t>(req_pool_indices), ptr<const int64_t>(seq_lens), scale, ptr<bf16>(out),
+                             ldo, kern);
       },
       "Decode attention of B requests over a paged bf16 KV cache; see csrc/decode_attention.h");
   m.def("set_num_threads", &kt::set_num_threads, py::arg("n"),

@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "prefetch.h"
@@ -65,9 +68,21 @@ void attend_slice(const Slice& s, const Shape& sh, const float* Qf, const PagedK
 }
 }  // namespace
 
+void store_new_rows(int B, int Hkv, int D, int Dv, const PagedKV& kv, const NewKV& fresh) {
+  for (int b = 0; b < B; ++b)
+    if (fresh.loc[b] < 0 || fresh.loc[b] >= kv.slots)
+      throw std::out_of_range("decode attention: cache slot " + std::to_string(fresh.loc[b]) + " of request " +
+                              std::to_string(b) + " is outside the pool's " + std::to_string(kv.slots) + " slots");
+  for (int b = 0; b < B; ++b) {
+    std::memcpy(kv.k + fresh.loc[b] * kv.ldk, fresh.k + b * fresh.ldk, sizeof(bf16) * Hkv * D);
+    std::memcpy(kv.v + fresh.loc[b] * kv.ldv, fresh.v + b * fresh.ldv, sizeof(bf16) * Hkv * Dv);
+  }
+}
+
 void decode_attention(int B, int Hq, int Hkv, int D, int Dv, const bf16* q, int64_t ldq, const PagedKV& kv,
-                      const int64_t* req_pool_indices, const int64_t* seq_lens, float scale, bf16* out, int64_t ldo,
-                      const Kernels& k) {
+                      const NewKV* fresh, const int64_t* req_pool_indices, const int64_t* seq_lens, float scale,
+                      bf16* out, int64_t ldo, const Kernels& k) {
+  if (fresh) store_new_rows(B, Hkv, D, Dv, kv, *fresh);
   const Shape sh{Hkv, Hq / Hkv, D, (D + 7) / 8 * 8, Dv, (Dv + 7) / 8 * 8};
   auto pool = global_pool();
   int64_t total = 0;

@@ -1,17 +1,26 @@
 """Where a CPU decode step goes: py-spy samples an SGLang server's scheduler (stock SGLang + the kt_serve
-plugin) while N greedy streams decode, and the samples are grouped by the part of the step they are in.
+plugin) while N greedy streams decode, and the samples are grouped by the part of the step they are in; or, with
+--timers, wall clocks inside the server say the same without a sampler.
 
     python evals/profile_decode.py [--preset qwen3-30b-a3b|small|qwen3_5-moe] [--streams 1 8] [--seconds 15]
+                                   [--timers | --call-times]
                                    [--server-args ...]   # e.g. --server-args --kt-expert-lora-path DIR
 
 ``--call-times`` also times the kernel's calls inside the server (evals/call_timer/sitecustomize.py on its
-PYTHONPATH: a wall clock around each routed-experts and packed-dense call, by shape) and prints their share of the
-same seconds: py-spy's sampling leaves part of a C++ call to its Python callers, the clock does not.
+PYTHONPATH: a wall clock around each kernel call, by kind and shape) and prints their share of the same seconds:
+py-spy's sampling leaves part of a C++ call to its Python callers, the clock does not.
 
-Needs py-spy (``pip install py-spy``; benchmarks only). The model is bench_serving.py's preset, built once under
---out. Shares are of the scheduler's samples after prefill; "other in the forward pass" is Python and per-op
-dispatch in the model's forward outside the named parts, "scheduler loop" everything outside the forward pass
-(building the batch, processing results, sending them to the detokenizer).
+``--timers`` runs no py-spy: on a machine with few cores the sampler takes a core the kernel's threads would use
+(on 2 cores it made each routed-experts call 25% slower), so its shares describe a slower step. Instead torch's
+global module hooks time every module call of the server (its own Python and torch ops, less the modules and kernel
+calls inside it) beside the kernel calls, and the table gives each part's milliseconds a step: kernel calls,
+each module class's own time, and the time outside every module (the scheduler loop), adding up to the step.
+The hooks themselves cost a few µs a module call.
+
+Needs py-spy (``pip install py-spy``; benchmarks only) unless --timers. The model is bench_serving.py's preset,
+built once under --out. Shares are of the scheduler's samples after prefill; "other in the forward pass" is Python
+and per-op dispatch in the model's forward outside the named parts, "scheduler loop" everything outside the forward
+pass (building the batch, processing results, sending them to the detokenizer).
 """
 
 from __future__ import annotations
@@ -85,31 +94,64 @@ def tally(lines: list[str]) -> collections.Counter:
 CALL_TIMER = Path(__file__).resolve().parent / "call_timer"
 
 
-def read_call_times(prefix: Path) -> tuple[float, dict]:
-    """(time written, {call: [count, seconds]}) summed over the server processes that timed calls."""
+def read_timers(prefix: Path) -> tuple[float, dict]:
+    """(time written, {"calls" | "modules" | "outermost": {name: [count, seconds]}}) summed over the server
+    processes that timed anything (evals/call_timer/sitecustomize.py)."""
     import json
 
-    stamp, calls = 0.0, collections.defaultdict(lambda: [0, 0.0])
+    stamp = 0.0
+    totals = {kind: collections.defaultdict(lambda: [0, 0.0]) for kind in ("calls", "modules", "outermost")}
     for path in prefix.parent.glob(prefix.name + ".*.json"):
         data = json.loads(path.read_text())
         stamp = max(stamp, data["time"])
-        for call, (n, t) in data["calls"].items():
-            calls[call][0] += n
-            calls[call][1] += t
-    return stamp, calls
+        for kind, table in totals.items():
+            for name, (n, t) in data.get(kind, {}).items():
+                table[name][0] += n
+                table[name][1] += t
+    return stamp, totals
 
 
-def profile(model: str, streams: int, seconds: int, server_args: list[str], log: Path,
-            call_times: Path | None = None) -> tuple[collections.Counter, list]:
-    """py-spy's samples per part of the step, and with ``call_times`` (a file prefix) the timed kernel calls of
-    the same window: [(call, calls per second, µs per call, share of the wall time)]."""
+def window(before: tuple[float, dict], after: tuple[float, dict]) -> tuple[float, dict]:
+    """Seconds between two read_timers and what was timed in them: {kind: {name: (count, seconds)}}."""
+    (t0, a), (t1, b) = before, after
+    diff = {}
+    for kind, table in b.items():
+        rows = {name: (n - a[kind].get(name, [0, 0.0])[0], t - a[kind].get(name, [0, 0.0])[1])
+                for name, (n, t) in table.items()}
+        diff[kind] = {name: v for name, v in rows.items() if v[0]}
+    return t1 - t0, diff
+
+
+def step_rows(seconds: float, timed: dict) -> tuple[int, list]:
+    """Decode steps in the window (calls of the outermost module that took longest: the model) and where a
+    step's wall time went: [(part, calls per step, ms per step)], largest first, adding up to the step."""
+    outer = timed["outermost"]
+    if not outer:
+        return 0, []
+    model = max(outer, key=lambda name: outer[name][1])
+    steps = outer[model][0]
+    per = lambda n, t: (n / steps, 1e3 * t / steps)  # noqa: E731
+    rows = [(f"kernel: {name}", *per(n, t)) for name, (n, t) in timed["calls"].items()]
+    rows += [(f"module: {name} (own Python and torch ops)", *per(n, t)) for name, (n, t) in timed["modules"].items()]
+    inside = sum(t for _, t in outer.values())
+    rows.append(("outside every module (scheduler loop, batch building, ModelRunner)", float("nan"),
+                 1e3 * (seconds - inside) / steps))
+    return steps, sorted(rows, key=lambda r: -r[2])
+
+
+def profile(model: str, streams: int, seconds: int, server_args: list[str], log: Path, call_times: Path | None = None,
+            py_spy: bool = True) -> tuple[collections.Counter, list, tuple]:
+    """One server, ``streams`` greedy streams decoding for ``seconds``: py-spy's samples per part of the step (when
+    ``py_spy``); with ``call_times`` (a file prefix) the timed kernel calls of the same window [(call, calls per
+    second, µs per call, share of the wall time)], and without py-spy also the step's parts from the module timers
+    (step_rows: steps, rows)."""
     import os
 
     import psutil
 
     env = None
     if call_times:
-        env = {"KT_SERVE_CALL_TIMES": str(call_times),
+        env = {"KT_SERVE_CALL_TIMES": str(call_times), "KT_SERVE_MODULE_TIMES": "0" if py_spy else "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(CALL_TIMER), os.environ.get("PYTHONPATH")]))}
     with SGLangServer(model, ["--max-running-requests", str(max(streams, 1)), *server_args], max_total_tokens=8192,
                       log_path=log, env=env) as server:
@@ -127,24 +169,28 @@ def profile(model: str, streams: int, seconds: int, server_args: list[str], log:
         thread = threading.Thread(target=traffic)
         thread.start()
         time.sleep(3)  # past the prompts' prefill
-        before = read_call_times(call_times) if call_times else None
-        with tempfile.NamedTemporaryFile(suffix=".txt") as raw:
-            subprocess.run([PY_SPY, "record", "--pid", str(scheduler.pid), "--duration", str(seconds), "--rate", "200",
-                            "--format", "raw", "--output", raw.name, "--nonblocking"], check=True,
-                           capture_output=True)
-            lines = Path(raw.name).read_text().splitlines()
-        (log.parent / f"{log.stem}.pyspy.txt").write_text("\n".join(lines))  # py-spy's raw stacks, for a closer look
-        timed = []
+        before = read_timers(call_times) if call_times else None
+        lines = []
+        if py_spy:
+            with tempfile.NamedTemporaryFile(suffix=".txt") as raw:
+                subprocess.run([PY_SPY, "record", "--pid", str(scheduler.pid), "--duration", str(seconds), "--rate",
+                                "200", "--format", "raw", "--output", raw.name, "--nonblocking"], check=True,
+                               capture_output=True)
+                lines = Path(raw.name).read_text().splitlines()
+            (log.parent / f"{log.stem}.pyspy.txt").write_text("\n".join(lines))  # py-spy's raw stacks
+        else:
+            time.sleep(seconds)
+        timed, steps = [], (0, [])
         if call_times:
             time.sleep(1)  # the timer writes twice a second
-            (t0, c0), (t1, c1) = before, read_call_times(call_times)
-            for call, (n, t) in sorted(c1.items(), key=lambda kv: -(kv[1][1] - c0.get(kv[0], [0, 0.0])[1])):
-                dn, dt = n - c0.get(call, [0, 0.0])[0], t - c0.get(call, [0, 0.0])[1]
-                if dn:
-                    timed.append((call, dn / (t1 - t0), 1e6 * dt / dn, dt / (t1 - t0)))
+            wall, diff = window(before, read_timers(call_times))
+            for call, (n, t) in sorted(diff["calls"].items(), key=lambda kv: -kv[1][1]):
+                timed.append((call, n / wall, 1e6 * t / n, t / wall))
+            if not py_spy:
+                steps = step_rows(wall, diff)
         stop.set()
         thread.join()
-    return tally(lines), timed
+    return tally(lines), timed, steps
 
 
 def main(argv=None):
@@ -154,10 +200,12 @@ def main(argv=None):
     ap.add_argument("--seconds", type=int, default=15)
     ap.add_argument("--out", default=None, help="where the model is built (reused when present)")
     ap.add_argument("--call-times", action="store_true", help="also time the kernel's calls inside the server")
+    ap.add_argument("--timers", action="store_true",
+                    help="no py-spy: the step's parts from wall clocks around every module and kernel call")
     ap.add_argument("--server-args", nargs=argparse.REMAINDER, default=[])
     a = ap.parse_args(argv)
-    if PY_SPY is None:
-        raise SystemExit("py-spy is not installed: pip install py-spy (a benchmark-only tool)")
+    if PY_SPY is None and not a.timers:
+        raise SystemExit("py-spy is not installed: pip install py-spy (a benchmark-only tool), or use --timers")
     p = PRESETS[a.preset]
     out = Path(a.out or tempfile.mkdtemp(prefix="kt_profile_"))
     model = out / "model"
@@ -168,22 +216,34 @@ def main(argv=None):
                        num_experts=p["experts"], top_k=p["top_k"], num_layers=p["layers"], vocab_size=p["vocab"],
                        **attention)
     results = {s: profile(str(model), s, a.seconds, a.server_args, out / f"server_{s}.log",
-                          out / f"calls_{s}" if a.call_times else None) for s in a.streams}
+                          out / f"calls_{s}" if a.call_times or a.timers else None, py_spy=not a.timers)
+               for s in a.streams}
+    print(f"\npreset {a.preset}; server args {' '.join(a.server_args) or '(none)'}; "
+          f"{'module and kernel timers' if a.timers else 'py-spy'}, {a.seconds} s per row")
+    if a.timers:
+        for s, (_, _, (steps, rows)) in results.items():
+            step = sum(ms for _, _, ms in rows)
+            print(f"\n{s} stream{'s' * (s > 1)}: {steps} steps, {step:.2f} ms a step ({1e3 / step * s:.1f} tok/s "
+                  "while timed)")
+            print("| part of the step | calls a step | ms a step | share |\n|---|---|---|---|")
+            for part, n, ms in rows:
+                if ms >= 0.005 * step:
+                    print(f"| {part} | {'' if n != n else f'{n:.2f}'} | {ms:.3f} | {100 * ms / step:.1f}% |")
+            print(f"| (parts under 0.5% each) | | {sum(ms for _, _, ms in rows if ms < 0.005 * step):.3f} | |")
+        return
     shares = {s: r[0] for s, r in results.items()}
-    print(f"\npreset {a.preset}; server args {' '.join(a.server_args) or '(none)'}; py-spy, {a.seconds} s per row")
     print("| part of the decode step | " + " | ".join(f"{s} stream{'s' * (s > 1)}" for s in a.streams) + " |")
     print("|---|" + "---|" * len(a.streams))
     for part in [name for name, _ in PARTS] + [OTHER, SCHEDULER]:
         cells = [f"{100 * shares[s][part] / max(sum(shares[s].values()), 1):.1f}%" for s in a.streams]
         if any(c != "0.0%" for c in cells):
             print(f"| {part} | " + " | ".join(cells) + " |")
-    for s, (_, timed) in results.items():
+    for s, (_, timed, _) in results.items():
         if a.call_times:
             print(f"\nkernel calls timed in the server, {s} stream{'s' * (s > 1)} (the py-spy window)")
             print("| call (input rows) | calls/s | µs per call | share of wall time |\n|---|---|---|---|")
             for call, rate, us, share in timed:
                 print(f"| {call} | {rate:,.0f} | {us:,.0f} | {100 * share:.1f}% |")
-
 
 if __name__ == "__main__":
     main()

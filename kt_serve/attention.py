@@ -28,11 +28,15 @@ def _check(name: str, t, dtype, dims: int):
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     out: torch.Tensor | None = None, *, isa: str = "auto") -> torch.Tensor:
+                     out: torch.Tensor | None = None, *, new_k: torch.Tensor | None = None,
+                     new_v: torch.Tensor | None = None, cache_loc: torch.Tensor | None = None,
+                     isa: str = "auto") -> torch.Tensor:
     """``out [B, Hq, Dv]``: each request's one query token ``q [B, Hq, D]`` (bf16) attending to its cached keys
     and values (bf16 ``k_cache [slots, Hkv, D]``, ``v_cache [slots, Hkv, Dv]``; Hq a multiple of Hkv), softmax
     in fp32 with ``scale``. ``req_to_token`` int32 ``[reqs, max_context]``; ``req_pool_indices`` and ``seq_lens``
-    int64 ``[B]``. Writes into ``out`` (bf16, may be a strided view) when given."""
+    int64 ``[B]``. Writes into ``out`` (bf16, may be a strided view) when given. With ``new_k [B, Hkv, D]``,
+    ``new_v [B, Hkv, Dv]`` (bf16) and ``cache_loc`` (int64 ``[B]``), request b's rows are first stored at cache slot
+    ``cache_loc[b]`` (the decode step's KV write), then attended to like every other cached row."""
     _check("q", q, torch.bfloat16, 3)
     _check("k_cache", k_cache, torch.bfloat16, 3)
     _check("v_cache", v_cache, torch.bfloat16, 3)
@@ -61,19 +65,37 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     elif out.shape != (B, Hq, Dv) or out.dtype != torch.bfloat16 or out.stride(-1) != 1 or out.stride(1) != Dv:
         raise ValueError(f"out must be bf16 [{B}, {Hq}, {Dv}] with contiguous heads, got {out.dtype} "
                          f"{tuple(out.shape)} strides {out.stride()}")
+    fresh = (new_k, new_v, cache_loc)
+    if any(t is not None for t in fresh):
+        if any(t is None for t in fresh):
+            raise ValueError("new_k, new_v and cache_loc come together")
+        _check("new_k", new_k, torch.bfloat16, 3)
+        _check("new_v", new_v, torch.bfloat16, 3)
+        if new_k.shape != (B, Hkv, D) or new_v.shape != (B, Hkv, Dv):
+            raise ValueError(f"new_k {tuple(new_k.shape)} and new_v {tuple(new_v.shape)} must be [{B}, {Hkv}, {D}] "
+                             f"and [{B}, {Hkv}, {Dv}]")
+        for name, t in (("new_k", new_k), ("new_v", new_v)):
+            if t.stride(1) != t.shape[2]:
+                raise ValueError(f"{name}: heads must be contiguous, got strides {t.stride()}")
+        cache_loc = cache_loc.to(torch.int64).contiguous()
+        if cache_loc.shape != (B,):
+            raise ValueError(f"cache_loc {tuple(cache_loc.shape)} must be [{B}]")
     if B:
-        run_decode_attention(q, k_cache, v_cache, req_to_token, idx, lens, scale, out, isa)
+        run_decode_attention(q, k_cache, v_cache, req_to_token, idx, lens, scale, out, isa, new_k, new_v, cache_loc)
     return out
 
 
 def run_decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, out,
-                         isa: str = "auto") -> None:
+                         isa: str = "auto", new_k=None, new_v=None, cache_loc=None) -> None:
     """The kernel call itself, without :func:`decode_attention`'s checks: for a caller (the serving backend, once
     per layer) whose tensors already have the layout, dtypes and bounds those checks ask for; ``req_pool_indices``
-    and ``seq_lens`` contiguous int64, ``out`` allocated."""
+    and ``seq_lens`` contiguous int64, ``out`` allocated; ``cache_loc`` (with ``new_k`` and ``new_v``) contiguous
+    int64 or None. A cache slot outside the pool still raises (nothing stored)."""
     B, Hq, D = q.shape
     Hkv, Dv = k_cache.shape[1], v_cache.shape[2]
+    fresh = (0, 0, 0, 0, 0) if cache_loc is None else (new_k.data_ptr(), new_k.stride(0), new_v.data_ptr(),
+                                                       new_v.stride(0), cache_loc.data_ptr())
     _kernel.decode_attention(B, Hq, Hkv, D, Dv, q.data_ptr(), q.stride(0), k_cache.data_ptr(), k_cache.stride(0),
-                             v_cache.data_ptr(), v_cache.stride(0), req_to_token.data_ptr(), req_to_token.stride(0),
-                             req_pool_indices.data_ptr(), seq_lens.data_ptr(), float(scale), out.data_ptr(),
-                             out.stride(0), isa)
+                             v_cache.data_ptr(), v_cache.stride(0), k_cache.shape[0], req_to_token.data_ptr(),
+                             req_to_token.stride(0), req_pool_indices.data_ptr(), seq_lens.data_ptr(), float(scale),
+                             out.data_ptr(), out.stride(0), *fresh, isa)

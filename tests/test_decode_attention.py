@@ -77,6 +77,44 @@ def test_writes_into_a_strided_output_and_reads_strided_query_rows():
     assert (out_rows[:, 8 * 64:] == 7).all()  # nothing written past each row's output
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_the_steps_own_rows_are_stored_at_their_slots_then_attended(isa):
+    """The serving backend hands the step's K and V rows to the call (new_k, new_v, cache_loc) instead of SGLang's
+    set_kv_buffer: each row lands at its slot bit for bit, no other slot changes, and the new token (the last of
+    each request's context, as SGLang's req_to_token has it at decode) is attended to: the reference runs on a
+    cache written by plain indexing. Rows come as views into a fused qkv output (strided, as in serving)."""
+    gen = torch.Generator().manual_seed(5)
+    lengths, Hq, Hkv, D = [1, 33, 400], 16, 4, 64
+    k, v, req_to_token, idx, lens = paged_cache(lengths, Hkv, D, D, gen=gen)
+    loc = torch.stack([req_to_token[r, n - 1].long() for r, n in zip(idx.tolist(), lengths)])
+    qkv = torch.randn(len(lengths), (Hq + 2 * Hkv) * D, generator=gen).bfloat16()
+    q = qkv[:, :Hq * D].view(-1, Hq, D)
+    new_k = qkv[:, Hq * D:(Hq + Hkv) * D].view(-1, Hkv, D)
+    new_v = qkv[:, (Hq + Hkv) * D:].view(-1, Hkv, D)
+    want_k, want_v = k.clone(), v.clone()
+    want_k[loc], want_v[loc] = new_k, new_v
+    got = decode_attention(q, k, v, req_to_token, idx, lens, D ** -0.5, new_k=new_k, new_v=new_v, cache_loc=loc,
+                           isa=isa)
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)
+    torch.testing.assert_close(got.float(), reference(q, want_k, want_v, req_to_token, idx, lens, D ** -0.5),
+                               atol=1e-2, rtol=1e-2)
+
+
+def test_a_slot_outside_the_pool_raises_and_stores_nothing():
+    gen = torch.Generator().manual_seed(6)
+    k, v, req_to_token, idx, lens = paged_cache([3, 5], 2, 16, 16, gen=gen)
+    before_k, before_v = k.clone(), v.clone()
+    rows = torch.randn(2, 2, 16, generator=gen).bfloat16()
+    q = torch.randn(2, 4, 16, generator=gen).bfloat16()
+    for bad in (k.shape[0], -1):
+        with pytest.raises(IndexError, match=f"cache slot {bad} of request 1 is outside the pool's {k.shape[0]} slots"):
+            decode_attention(q, k, v, req_to_token, idx, lens, 0.25, new_k=rows, new_v=rows,
+                             cache_loc=torch.tensor([0, bad]))
+        assert torch.equal(k, before_k) and torch.equal(v, before_v)
+    with pytest.raises(ValueError, match="come together"):
+        decode_attention(q, k, v, req_to_token, idx, lens, 0.25, new_k=rows)
+
+
 def test_bad_input_is_refused_with_the_field_named():
     gen = torch.Generator().manual_seed(1)
     k, v, req_to_token, idx, lens = paged_cache([4], 2, 16, 16, gen=gen)

@@ -1,7 +1,14 @@
-"""Put on a server's PYTHONPATH by ``evals/profile_decode.py --call-times``: when KT_SERVE_CALL_TIMES is set, every
-process of the server times the kernel's calls (routed experts, packed dense linears) by kind and shape, and the
-ones that made any write their running totals to ``$KT_SERVE_CALL_TIMES.<pid>.json`` twice a second. A wall clock
-around each call, so the shares add up where py-spy's sampling leaves part of a call to its Python callers."""
+"""Put on a server's PYTHONPATH by ``evals/profile_decode.py --call-times`` / ``--timers``: when KT_SERVE_CALL_TIMES
+is set, every process of the server times the kernel's calls (routed experts, packed dense linears, decode
+attention, RMSNorm, rotary, segmented LoRA) by kind and shape, and the ones that made any write their running totals
+to ``$KT_SERVE_CALL_TIMES.<pid>.json`` twice a second. A wall clock around each call, so the shares add up where
+py-spy's sampling leaves part of a call to its Python callers.
+
+With KT_SERVE_MODULE_TIMES=1 as well, torch's global module hooks (a public torch API, so every model family is
+covered the same way) also time every ``nn.Module`` call by class: its exclusive time (its own Python and torch
+ops, less the modules and kernel calls inside it), and per class of an outermost module (the model, the sampler)
+its calls and inclusive time, which count the steps. The hooks cost a few µs a module call: the step they measure
+is that much slower than an untimed one."""
 
 import os
 
@@ -10,38 +17,96 @@ if os.environ.get("KT_SERVE_CALL_TIMES"):
     import threading
     import time
 
-    def _install(prefix: str) -> None:
+    def _install(prefix: str, modules: bool) -> None:
+        import torch
+
+        import kt_serve.attention as attention
         import kt_serve.dense as dense
         import kt_serve.kernel as kernel
+        import kt_serve.norm as norm
+        import kt_serve.rotary as rotary
+        import kt_serve.segmented_lora as segmented_lora
 
-        totals: dict[str, list] = {}
+        calls: dict[str, list] = {}  # kernel call -> [count, seconds]
+        exclusive: dict[str, list] = {}  # module class -> [count, seconds less its children]
+        outermost: dict[str, list] = {}  # module class called at depth 0 -> [count, inclusive seconds]
+        local = threading.local()  # per thread: a stack of [start, seconds spent in children]
+
+        def stack():
+            s = getattr(local, "stack", None)
+            if s is None:
+                s = local.stack = []
+            return s
+
+        def leave(totals, key):
+            """Pop the innermost frame; its exclusive time goes to totals[key], its inclusive time to the parent."""
+            s = stack()
+            start, children = s.pop()
+            spent = time.perf_counter() - start
+            entry = totals.setdefault(key, [0, 0.0])
+            entry[0] += 1
+            entry[1] += spent - children
+            if s:
+                s[-1][1] += spent
+            return spent
 
         def timed(kind, shape_of, fn):
-            def wrapper(self, x, *args, **kwargs):
-                start = time.perf_counter()
-                out = fn(self, x, *args, **kwargs)
-                entry = totals.setdefault(f"{kind} {shape_of(self, x)}", [0, 0.0])
-                entry[0] += 1
-                entry[1] += time.perf_counter() - start
-                return out
+            def wrapper(*args, **kwargs):
+                stack().append([time.perf_counter(), 0.0])
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    try:
+                        shape = shape_of(*args)
+                    except (IndexError, TypeError, AttributeError):  # called with keywords: no shape to name
+                        shape = "x?"
+                    leave(calls, f"{kind} {shape}")
             return wrapper
 
-        rows = lambda x: int(x.numel() // x.shape[-1])  # noqa: E731
+        rows = lambda x: int(x.numel() // x.shape[-1]) if isinstance(x, torch.Tensor) and x.dim() else 0  # noqa: E731
         dense.PackedLinear.forward = dense.PackedLinear.__call__ = timed(
-            "dense", lambda m, x: f"{m.in_features}->{m.out_features} x{rows(x)}", dense.PackedLinear.forward)
+            "dense", lambda m, x, *a: f"{m.in_features}->{m.out_features} x{rows(x)}", dense.PackedLinear.forward)
         for name in ("forward_routed", "forward_sft"):
-            setattr(kernel.MoEExperts, name, timed(
-                "experts", lambda m, x: f"x{rows(x)}", getattr(kernel.MoEExperts, name)))
+            setattr(kernel.MoEExperts, name, timed("experts", lambda m, x, *a: f"x{rows(x)}",
+                                                   getattr(kernel.MoEExperts, name)))
+        # module-level functions the plugin imports at call time (or when it builds its attention backend, after
+        # this ran), so replacing the module attribute reaches every caller
+        by_rows = lambda x, *a: f"x{rows(x)}"  # noqa: E731
+        for module, name, kind, shape_of in (
+                (attention, "run_decode_attention", "decode attention", lambda q, *a: f"x{q.shape[0]}"),
+                (norm, "rms_norm", "rms_norm", by_rows),
+                (rotary, "qk_norm_rope", "qk_norm_rope", by_rows),
+                (rotary, "rotary_embedding", "rotary", lambda positions, *a: f"x{positions.numel()}"),
+                (segmented_lora, "lora_shrink", "lora_shrink", by_rows),
+                (segmented_lora, "lora_expand", "lora_expand", by_rows)):
+            setattr(module, name, timed(kind, shape_of, getattr(module, name)))
+
+        if modules:
+            def pre_hook(module, args):
+                stack().append([time.perf_counter(), 0.0])
+
+            def post_hook(module, args, output):
+                if not stack():
+                    return  # entered before the hooks were installed
+                key = type(module).__name__
+                spent = leave(exclusive, key)
+                if not stack():
+                    entry = outermost.setdefault(key, [0, 0.0])
+                    entry[0] += 1
+                    entry[1] += spent
+
+            torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)
+            torch.nn.modules.module.register_module_forward_hook(post_hook, always_call=True)
 
         def write():
             path = f"{prefix}.{os.getpid()}.json"
             while True:
                 time.sleep(0.5)
-                if totals:
+                if calls or outermost:
                     with open(path + ".tmp", "w") as f:
-                        json.dump({"time": time.time(), "calls": totals}, f)
+                        json.dump({"time": time.time(), "calls": calls, "modules": exclusive, "outermost": outermost}, f)
                     os.replace(path + ".tmp", path)
 
         threading.Thread(target=write, daemon=True).start()
 
-    _install(os.environ["KT_SERVE_CALL_TIMES"])
+    _install(os.environ["KT_SERVE_CALL_TIMES"], os.environ.get("KT_SERVE_MODULE_TIMES") == "1")

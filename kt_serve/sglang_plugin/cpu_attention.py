@@ -82,7 +82,7 @@ def _backend_class():
     if _cls is not None:
         return _cls
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool
 
     from kt_serve import _kernel
     from kt_serve.attention import run_decode_attention
@@ -95,6 +95,7 @@ def _backend_class():
                                  f"{self.req_to_token_pool.req_to_token.dtype}")
             self._lens = self._idx = None
             self._logged = set()
+            self._plans = {}  # layer id -> _layer_plan
             logger.info("kt_serve: decode attention on the kt_serve kernel (attention backend kt_cpu, isa %s)",
                         _kernel.cpu_isa())
 
@@ -104,12 +105,17 @@ def _backend_class():
                 self._idx = forward_batch.req_pool_indices.to(torch.int64).contiguous()
                 self._lens = forward_batch.seq_lens.to(torch.int64).contiguous()
 
-        def _fallback_reason(self, layer, q, forward_batch) -> str | None:
-            """Why this layer's decode goes to torch_native, or None when the kernel runs it."""
+        def _layer_plan(self, layer) -> tuple:
+            """(why this layer's decode goes to torch_native whatever the batch, or None; whether the kernel
+            stores the step's K and V itself). Both depend on the layer and the pool only: worked out once."""
+            plan = self._plans.get(layer.layer_id)
+            if plan is None:
+                plan = self._plans[layer.layer_id] = (self._static_reason(layer), self._stores_kv(layer))
+            return plan
+
+        def _static_reason(self, layer) -> str | None:
             pool = self.token_to_kv_pool
-            if q.dtype != torch.bfloat16:
-                return f"{q.dtype} queries"
-            if layer.is_cross_attention or forward_batch.encoder_lens is not None:
+            if layer.is_cross_attention:
                 return "cross attention"
             if layer.sliding_window_size != -1 or self.use_sliding_window_kv_pool:
                 return "a sliding window"
@@ -118,9 +124,36 @@ def _backend_class():
             if not (_heads_contiguous(pool.get_key_buffer(layer.layer_id))
                     and _heads_contiguous(pool.get_value_buffer(layer.layer_id))):
                 return "a KV cache that is not bf16 [slots, heads, dim]"
-            if self._idx is None or self._idx.shape[0] != forward_batch.batch_size:
-                return "a decode batch without its step metadata"
             return None
+
+        def _stores_kv(self, layer) -> bool:
+            """Whether the kernel may write the step's K and V rows into the pool (csrc/decode_attention.h NewKV)
+            in place of the pool's set_kv_buffer: only for the plain bf16 pool, where that method is exactly a
+            copy of each row to its slot (no subclass, quantization, scales, page-major layout or write-loc
+            translation), so the cache holds the same bytes either way."""
+            pool = self.token_to_kv_pool
+            return (type(pool) is MHATokenToKVPool and not pool.is_quantized_kv_cache
+                    and pool.dtype == pool.store_dtype == torch.bfloat16 and not getattr(pool, "use_hnd", False)
+                    and not pool.requires_physical_write_loc
+                    and getattr(layer, "k_scale", None) is None and getattr(layer, "v_scale", None) is None)
+
+        def _fallback_reason(self, layer, q, forward_batch) -> str | None:
+            """Why this layer's decode goes to torch_native, or None when the kernel runs it."""
+            if q.dtype != torch.bfloat16:
+                return f"{q.dtype} queries"
+            if forward_batch.encoder_lens is not None:
+                return "cross attention"
+            reason = self._layer_plan(layer)[0]
+            if reason is None and (self._idx is None or self._idx.shape[0] != forward_batch.batch_size):
+                return "a decode batch without its step metadata"
+            return reason
+
+        def _new_rows(self, t, heads: int, dim: int, forward_batch):
+            """The step's K or V rows as [B, heads, dim] with contiguous heads, or None when they are not bf16."""
+            if t.dtype != torch.bfloat16:
+                return None
+            t = t.view(forward_batch.batch_size, heads, dim) if t.dim() == 2 else t
+            return t if t.stride(-1) == 1 and t.stride(1) == dim else t.contiguous()
 
         def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
             reason = self._fallback_reason(layer, q, forward_batch)
@@ -130,17 +163,26 @@ def _backend_class():
                     logger.warning("kt_serve: kt_cpu attention leaves layer %d's decode to torch_native: %s",
                                    layer.layer_id, reason)
                 return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
-            if save_kv_cache and k is not None and v is not None:
-                self.token_to_kv_pool.set_kv_buffer(
-                    layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v)
             Hq, D, Dv = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
+            Hkv = layer.tp_k_head_num
+            new_k = new_v = loc = None
+            if save_kv_cache and k is not None and v is not None:
+                loc = forward_batch.out_cache_loc
+                if self._layer_plan(layer)[1] and loc.dtype == torch.int64 and loc.is_contiguous():
+                    new_k = self._new_rows(k, Hkv, D, forward_batch)
+                    new_v = self._new_rows(v, Hkv, Dv, forward_batch)
+                if new_k is None or new_v is None:
+                    new_k = new_v = loc = None
+                    self.token_to_kv_pool.set_kv_buffer(
+                        layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v)
             q = q.reshape(-1, Hq, D)
             if q.stride(-1) != 1 or q.stride(1) != D:
                 q = q.contiguous()
             o = q.new_empty((q.shape[0], Hq, Dv))
             run_decode_attention(q, self.token_to_kv_pool.get_key_buffer(layer.layer_id),
                                  self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-                                 self.req_to_token_pool.req_to_token, self._idx, self._lens, layer.scaling, o)
+                                 self.req_to_token_pool.req_to_token, self._idx, self._lens, layer.scaling, o,
+                                 "auto", new_k, new_v, loc)
             return o.view(-1, Hq * Dv)
 
     _cls = KTCPUAttnBackend
