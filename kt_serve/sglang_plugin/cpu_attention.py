@@ -148,11 +148,13 @@ def _backend_class():
                 return "a decode batch without its step metadata"
             return reason
 
-        def _new_rows(self, t, heads: int, dim: int, forward_batch):
-            """The step's K or V rows as [B, heads, dim] with contiguous heads, or None when they are not bf16."""
-            if t.dtype != torch.bfloat16:
+        @staticmethod
+        def _new_rows(t, heads: int, dim: int, rows: int):
+            """The step's K or V rows as [rows, heads, dim] with contiguous heads, or None when they are not bf16
+            or not one row per request (then the pool's own set_kv_buffer writes them)."""
+            if t.dtype != torch.bfloat16 or t.numel() != rows * heads * dim:
                 return None
-            t = t.view(forward_batch.batch_size, heads, dim) if t.dim() == 2 else t
+            t = t.reshape(rows, heads, dim)
             return t if t.stride(-1) == 1 and t.stride(1) == dim else t.contiguous()
 
         def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
@@ -163,21 +165,21 @@ def _backend_class():
                     logger.warning("kt_serve: kt_cpu attention leaves layer %d's decode to torch_native: %s",
                                    layer.layer_id, reason)
                 return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
-            Hq, D, Dv = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
-            Hkv = layer.tp_k_head_num
+            Hq, Hkv, D, Dv = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, layer.v_head_dim
+            q = q.reshape(-1, Hq, D)
+            if q.stride(-1) != 1 or q.stride(1) != D:
+                q = q.contiguous()
+            B = q.shape[0]
             new_k = new_v = loc = None
             if save_kv_cache and k is not None and v is not None:
                 loc = forward_batch.out_cache_loc
-                if self._layer_plan(layer)[1] and loc.dtype == torch.int64 and loc.is_contiguous():
-                    new_k = self._new_rows(k, Hkv, D, forward_batch)
-                    new_v = self._new_rows(v, Hkv, Dv, forward_batch)
+                if (self._layer_plan(layer)[1] and loc.dtype == torch.int64 and loc.is_contiguous()
+                        and loc.shape == (B,)):
+                    new_k, new_v = self._new_rows(k, Hkv, D, B), self._new_rows(v, Hkv, Dv, B)
                 if new_k is None or new_v is None:
                     new_k = new_v = loc = None
                     self.token_to_kv_pool.set_kv_buffer(
                         layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v)
-            q = q.reshape(-1, Hq, D)
-            if q.stride(-1) != 1 or q.stride(1) != D:
-                q = q.contiguous()
             o = q.new_empty((q.shape[0], Hq, Dv))
             run_decode_attention(q, self.token_to_kv_pool.get_key_buffer(layer.layer_id),
                                  self.token_to_kv_pool.get_value_buffer(layer.layer_id),
