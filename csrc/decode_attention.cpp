@@ -66,7 +66,6 @@ void attend_slice(const Slice& s, const Shape& sh, const float* Qf, const PagedK
                     slots + j, O + static_cast<int64_t>(h) * sh.G * sh.Dvp, sh.Dvp);
   }
 }
-}  // namespace
 
 void store_new_rows(int B, int Hkv, int D, int Dv, const PagedKV& kv, const NewKV& fresh) {
   for (int b = 0; b < B; ++b)
@@ -78,6 +77,7 @@ void store_new_rows(int B, int Hkv, int D, int Dv, const PagedKV& kv, const NewK
     std::memcpy(kv.v + fresh.loc[b] * kv.ldv, fresh.v + b * fresh.ldv, sizeof(bf16) * Hkv * Dv);
   }
 }
+}  // namespace
 
 void decode_attention(int B, int Hq, int Hkv, int D, int Dv, const bf16* q, int64_t ldq, const PagedKV& kv,
                       const NewKV* fresh, const int64_t* req_pool_indices, const int64_t* seq_lens, float scale,

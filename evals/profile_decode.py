@@ -134,7 +134,7 @@ def step_rows(seconds: float, timed: dict) -> tuple[int, list]:
     rows = [(f"kernel: {name}", *per(n, t)) for name, (n, t) in timed["calls"].items()]
     rows += [(f"module: {name} (own Python and torch ops)", *per(n, t)) for name, (n, t) in timed["modules"].items()]
     inside = sum(t for _, t in outer.values())
-    rows.append(("outside every module (scheduler loop, batch building, ModelRunner)", float("nan"),
+    rows.append(("outside every module (scheduler loop, batch building, ModelRunner)", None,
                  1e3 * (seconds - inside) / steps))
     return steps, sorted(rows, key=lambda r: -r[2])
 
@@ -222,13 +222,16 @@ def main(argv=None):
           f"{'module and kernel timers' if a.timers else 'py-spy'}, {a.seconds} s per row")
     if a.timers:
         for s, (_, _, (steps, rows)) in results.items():
+            if not steps:
+                print(f"\n{s} stream{'s' * (s > 1)}: no decode step timed (see {out / f'server_{s}.log'})")
+                continue
             step = sum(ms for _, _, ms in rows)
             print(f"\n{s} stream{'s' * (s > 1)}: {steps} steps, {step:.2f} ms a step ({1e3 / step * s:.1f} tok/s "
                   "while timed)")
             print("| part of the step | calls a step | ms a step | share |\n|---|---|---|---|")
             for part, n, ms in rows:
                 if ms >= 0.005 * step:
-                    print(f"| {part} | {'' if n != n else f'{n:.2f}'} | {ms:.3f} | {100 * ms / step:.1f}% |")
+                    print(f"| {part} | {'' if n is None else f'{n:.2f}'} | {ms:.3f} | {100 * ms / step:.1f}% |")
             print(f"| (parts under 0.5% each) | | {sum(ms for _, _, ms in rows if ms < 0.005 * step):.3f} | |")
         return
     shares = {s: r[0] for s, r in results.items()}

@@ -26,6 +26,12 @@ def _check(name: str, t, dtype, dims: int):
         raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
 
 
+def _check_heads(**tensors) -> None:
+    for name, t in tensors.items():
+        if t.stride(1) != t.shape[2]:
+            raise ValueError(f"{name}: heads must be contiguous ([..., heads, dim] with stride dim), got {t.stride()}")
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      out: torch.Tensor | None = None, *, new_k: torch.Tensor | None = None,
@@ -50,9 +56,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"q has {Hq} heads, not a multiple of the cache's {Hkv} KV heads")
     if max(D, Dv) > MAX_HEAD_DIM:
         raise ValueError(f"head dims {D} / {Dv}: at most {MAX_HEAD_DIM}")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.stride(1) != t.shape[2]:
-            raise ValueError(f"{name}: heads must be contiguous ([..., heads, dim] with stride dim), got {t.stride()}")
+    _check_heads(q=q, k_cache=k_cache, v_cache=v_cache)
     idx = req_pool_indices.to(torch.int64).contiguous()
     lens = seq_lens.to(torch.int64).contiguous()
     if idx.shape != (B,) or lens.shape != (B,):
@@ -74,9 +78,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         if new_k.shape != (B, Hkv, D) or new_v.shape != (B, Hkv, Dv):
             raise ValueError(f"new_k {tuple(new_k.shape)} and new_v {tuple(new_v.shape)} must be [{B}, {Hkv}, {D}] "
                              f"and [{B}, {Hkv}, {Dv}]")
-        for name, t in (("new_k", new_k), ("new_v", new_v)):
-            if t.stride(1) != t.shape[2]:
-                raise ValueError(f"{name}: heads must be contiguous, got strides {t.stride()}")
+        _check_heads(new_k=new_k, new_v=new_v)
+        if not isinstance(cache_loc, torch.Tensor) or cache_loc.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"cache_loc must be an int32 or int64 tensor [{B}], got {type(cache_loc).__name__} "
+                             f"{getattr(cache_loc, 'dtype', '')}")
         cache_loc = cache_loc.to(torch.int64).contiguous()
         if cache_loc.shape != (B,):
             raise ValueError(f"cache_loc {tuple(cache_loc.shape)} must be [{B}]")

@@ -113,6 +113,12 @@ def test_a_slot_outside_the_pool_raises_and_stores_nothing():
         assert torch.equal(k, before_k) and torch.equal(v, before_v)
     with pytest.raises(ValueError, match="come together"):
         decode_attention(q, k, v, req_to_token, idx, lens, 0.25, new_k=rows)
+    with pytest.raises(ValueError, match=r"cache_loc must be an int32 or int64 tensor \[2\], got list"):
+        decode_attention(q, k, v, req_to_token, idx, lens, 0.25, new_k=rows, new_v=rows, cache_loc=[0, 1])
+    with pytest.raises(ValueError, match=r"new_k \(2, 2, 16\) and new_v \(2, 2, 8\) must be"):
+        decode_attention(q, k, v, req_to_token, idx, lens, 0.25, new_k=rows, new_v=rows[..., :8],
+                         cache_loc=torch.tensor([0, 1]))
+    assert torch.equal(k, before_k) and torch.equal(v, before_v)
 
 
 def test_bad_input_is_refused_with_the_field_named():

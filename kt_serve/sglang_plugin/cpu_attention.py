@@ -4,9 +4,10 @@ SGLang's CPU default without AMX is its torch_native backend, which decodes with
 requests: per request a gather of its K and V rows out of the paged pool and one SDPA call, per layer. This
 backend is that one with ``forward_decode`` replaced: the whole batch, every head and every cached token read in
 place from the pool, threads over (request, slice of the context) with every head of a slot at once; the same
-attention as torch_native up to fp32 summation order. Extend batches (prefill, radix-cache hits, chunked prefill)
-keep torch_native's SDPA path, and so do the layer kinds the kernel does not cover (cross attention, sliding
-windows, logit capping, a KV cache that is not bf16).
+attention as torch_native up to fp32 summation order. The step's own K and V rows are stored by the same call
+where the pool's set_kv_buffer is a plain row copy (the bf16 MHA pool); other pools keep set_kv_buffer. Extend
+batches (prefill, radix-cache hits, chunked prefill) keep torch_native's SDPA path, and so do the layer kinds the
+kernel does not cover (cross attention, sliding windows, logit capping, a KV cache that is not bf16).
 
 Registered in SGLang's attention-backend registry in every scheduler of a CPU host; the launcher makes it the
 default with ``--kt-cpu-ops`` on a CPU host without AMX (where SGLang itself would fall back to torch_native) for
