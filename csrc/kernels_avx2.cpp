@@ -255,9 +255,11 @@ void gemm_block_pair_avx2(int M, const bf16* A0, const bf16* A1, int64_t lda, co
 // Integer formats (int8, int4): weights decoded to int16 in registers, input rows quantized to int16 once per call
 // (Kernels::quantize_rows), vpmaddwd + vpaddd sum the products exactly in int32; per chunk of K (int_chunk) and column
 // C (+)= s_x · (s_w · Σ q_x q_w + min_w · Σ q_x), as the AVX512 table does.
+// load(row, v) gives what the tiles multiply for column group v: kDotUnit[v]⁻¹ · its values.
 struct Int8W {  // column group v: 16 bytes (8 columns × the K pair) sign-extended
   static constexpr int kRowBytes = 128;
   static constexpr bool kOffsets = false;
+  static constexpr float kDotUnit[8] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f};
   static __m256i load(const uint8_t* row, int v) {
     return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * v)));
   }
@@ -265,9 +267,19 @@ struct Int8W {  // column group v: 16 bytes (8 columns × the K pair) sign-exten
 struct Int4W {  // column group v: nibble v / 2 of words 16 (v % 2) ..
   static constexpr int kRowBytes = 64;
   static constexpr bool kOffsets = true;
+  // As in the AVX512 table, nibble 1 is multiplied where it lies (16 · code; int_chunk keeps the int32 sums in
+  // range) and nibble 3 needs no mask: 5 instructions per 32 bytes instead of 7 beside the 4 vpmaddwd, which
+  // Zen 2 runs on one port. With the accumulators kept in registers (CMakeLists.txt: -fno-tree-pre), MoE T=1
+  // with the weights in L3 (H 1024, I 256, 8 experts, Zen 2, one thread) went 0.22 -> 0.175 ms.
+  static constexpr float kDotUnit[8] = {1.f, 1.f, 1.f / 16, 1.f / 16, 1.f, 1.f, 1.f, 1.f};
   static __m256i load(const uint8_t* row, int v) {
     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * (v % 2)));
-    return _mm256_and_si256(_mm256_srl_epi16(w, _mm_cvtsi32_si128(4 * (v / 2))), _mm256_set1_epi16(0xf));
+    switch (v / 2) {
+      case 0: return _mm256_and_si256(w, _mm256_set1_epi16(0xf));
+      case 1: return _mm256_and_si256(w, _mm256_set1_epi16(0xf0));
+      case 2: return _mm256_and_si256(_mm256_srli_epi16(w, 8), _mm256_set1_epi16(0xf));
+      default: return _mm256_srli_epi16(w, 12);
+    }
   }
 };
 
@@ -288,21 +300,25 @@ inline void igemm_pass(const kt::Int16Rows& X, const kt::Layout& l, kt::Block b,
     __m256i a[MR];
     KT_UNROLL
     for (int m = 0; m < MR; ++m) a[m] = _mm256_set1_epi32(X.pair(m, kk));
+    // even column groups first: int4's come from one 32-byte load, the odd ones from the next, and GCC keeps
+    // the decoded vectors of one load in registers rather than both loads' (no accumulator spilled at MR = 1)
     KT_UNROLL
-    for (int v = 0; v < NC; ++v) {
-      const __m256i w = D::load(row, v0 + v);
+    for (int p = 0; p < 2; ++p)
       KT_UNROLL
-      for (int m = 0; m < MR; ++m) acc[m][v] = _mm256_add_epi32(acc[m][v], _mm256_madd_epi16(a[m], w));
-    }
+      for (int v = p; v < NC; v += 2) {
+        const __m256i w = D::load(row, v0 + v);
+        KT_UNROLL
+        for (int m = 0; m < MR; ++m) acc[m][v] = _mm256_add_epi32(acc[m][v], _mm256_madd_epi16(a[m], w));
+      }
   }
   const int g = k0 / l.group;
   for (int m = 0; m < MR; ++m) {
-    const __m256 sx = _mm256_set1_ps(X.scale[m]);
     const __m256 xsum = _mm256_set1_ps(D::kOffsets ? X.scale[m] * X.sum(m, k0, k1) : 0.f);
     for (int v = 0; v < NC; ++v) {
       // int8: fp32 scales; int4: scale words, bf16 scale in the low half and minimum in the high half
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.s + g * kt::Layout::kScaleWords + 8 * (v0 + v)));
       const __m256 s = _mm256_castsi256_ps(D::kOffsets ? _mm256_slli_epi32(raw, 16) : raw);
+      const __m256 sx = _mm256_set1_ps(X.scale[m] * D::kDotUnit[v0 + v]);  // exact: a power of two
       __m256 r = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[m][v]), _mm256_mul_ps(s, sx));
       if (D::kOffsets)
         r = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xffff0000u)))), xsum, r);

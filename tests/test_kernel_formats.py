@@ -382,7 +382,7 @@ def test_forward_512_tokens(isa, case):
 def test_int4_largest_sums(isa, group):
     """int4 products summed in int32 at their bound: every input at its row's largest magnitude (int16 32767),
     every weight its group's maximum (code 15) but the group's first (the minimum, code 0), K = 1024: a group of
-    512 must be summed in chunks (256 K values of 32767 · 16 · 15, as the AVX512 kernel multiplies nibble 1, are
+    512 must be summed in chunks (256 K values of 32767 · 16 · 15, as the AVX512 and AVX2 kernels multiply nibble 1, are
     just below 2^31). One token (codes in registers) and 40 (decoded to bf16)."""
     E, H, I = 1, 1024, 64
     def weights(n, k):
