@@ -276,7 +276,8 @@ struct Int4W {  // column group v: nibble v / 2 of words 16 (v % 2) ..
   // As in the AVX512 table, nibble 1 is multiplied where it lies (16 · code; int_chunk keeps the int32 sums in
   // range) and nibble 3 needs no mask: 5 instructions per 32 bytes instead of 7 beside the 4 vpmaddwd, which
   // Zen 2 runs on one port. With the accumulators kept in registers (CMakeLists.txt: -fno-tree-pre), MoE T=1
-  // with the weights in L3 (H 1024, I 256, 8 experts, Zen 2, one thread) went 0.22 -> 0.175 ms.
+  // with the weights in L3 (H 1024, I 256, 8 experts, Zen 2, one thread) went 0.216 -> 0.182 ms; from DRAM
+  // (E=64, H 2048, I 768, two threads) T=1 and T=8 run at the read bandwidth as before or slightly faster.
   static constexpr float kDotUnit[8] = {1.f, 1.f, 1.f / 16, 1.f / 16, 1.f, 1.f, 1.f, 1.f};
   static __m256i load(const uint8_t* row, int v) {
     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * (v % 2)));
@@ -289,9 +290,10 @@ struct Int4W {  // column group v: nibble v / 2 of words 16 (v % 2) ..
   }
 };
 
-// MR rows × NC column groups (v0 ..) of one K chunk [k0, k1); the weights of a chunk stay in L1 across passes.
-template <class D, int MR, int NC>
-inline void igemm_pass(const kt::Int16Rows& X, const kt::Layout& l, kt::Block b, int k0, int k1, int v0, float* C,
+// MR rows × NC column groups (V0 ..) of one K chunk [k0, k1); the weights of a chunk stay in L1 across passes.
+// V0 is a template argument so that each column group's decode (Int4W::load) is fixed at compile time.
+template <class D, int MR, int NC, int V0>
+inline void igemm_pass(const kt::Int16Rows& X, const kt::Layout& l, kt::Block b, int k0, int k1, float* C,
                        int64_t ldc) {
   __m256i acc[MR][NC];
   KT_UNROLL
@@ -300,44 +302,46 @@ inline void igemm_pass(const kt::Int16Rows& X, const kt::Layout& l, kt::Block b,
     for (int v = 0; v < NC; ++v) acc[m][v] = _mm256_setzero_si256();
   for (int kk = k0 / 2; kk < k1 / 2; ++kk) {
     const uint8_t* row = b.w + static_cast<int64_t>(kk) * D::kRowBytes;
-    if (v0 == 0)  // the first pass brings a row further on towards L1
-      for (int q = 0; q < D::kRowBytes; q += 64) kt::prefetch_l1(row + D::kPrefetchAhead + q);
+    if (V0 == 0)  // the first pass brings a row further on towards L1
+      for (int q = 0; q < D::kRowBytes; q += 64)  // the builtin: an asm statement here spilled the accumulators
+        _mm_prefetch(reinterpret_cast<const char*>(row + D::kPrefetchAhead + q), _MM_HINT_T0);
     __m256i a[MR];
     KT_UNROLL
     for (int m = 0; m < MR; ++m) a[m] = _mm256_set1_epi32(X.pair(m, kk));
-    // even column groups first: int4's come from one 32-byte load, the odd ones from the next, and GCC keeps
-    // the decoded vectors of one load in registers rather than both loads' (no accumulator spilled at MR = 1)
     KT_UNROLL
-    for (int p = 0; p < 2; ++p)
+    for (int v = 0; v < NC; ++v) {
+      const __m256i w = D::load(row, V0 + v);
       KT_UNROLL
-      for (int v = p; v < NC; v += 2) {
-        const __m256i w = D::load(row, v0 + v);
-        KT_UNROLL
-        for (int m = 0; m < MR; ++m) acc[m][v] = _mm256_add_epi32(acc[m][v], _mm256_madd_epi16(a[m], w));
-      }
+      for (int m = 0; m < MR; ++m) acc[m][v] = _mm256_add_epi32(acc[m][v], _mm256_madd_epi16(a[m], w));
+    }
   }
   const int g = k0 / l.group;
   for (int m = 0; m < MR; ++m) {
     const __m256 xsum = _mm256_set1_ps(D::kOffsets ? X.scale[m] * X.sum(m, k0, k1) : 0.f);
     for (int v = 0; v < NC; ++v) {
       // int8: fp32 scales; int4: scale words, bf16 scale in the low half and minimum in the high half
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.s + g * kt::Layout::kScaleWords + 8 * (v0 + v)));
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.s + g * kt::Layout::kScaleWords + 8 * (V0 + v)));
       const __m256 s = _mm256_castsi256_ps(D::kOffsets ? _mm256_slli_epi32(raw, 16) : raw);
-      const __m256 sx = _mm256_set1_ps(X.scale[m] * D::kDotUnit[v0 + v]);  // exact: a power of two
+      const __m256 sx = _mm256_set1_ps(X.scale[m] * D::kDotUnit[V0 + v]);  // exact: a power of two
       __m256 r = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[m][v]), _mm256_mul_ps(s, sx));
       if (D::kOffsets)
         r = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xffff0000u)))), xsum, r);
-      float* c = C + m * ldc + 8 * (v0 + v);
+      float* c = C + m * ldc + 8 * (V0 + v);
       _mm256_storeu_ps(c, k0 == 0 ? r : _mm256_add_ps(r, _mm256_loadu_ps(c)));
     }
   }
 }
 
+template <class D, int MR, int NC, int V0 = 0>
+inline void igemm_passes(const kt::Int16Rows& X, const kt::Layout& l, kt::Block b, int k0, int k1, float* C, int64_t ldc) {
+  igemm_pass<D, MR, NC, V0>(X, l, b, k0, k1, C, ldc);
+  if constexpr (V0 + NC < 8) igemm_passes<D, MR, NC, V0 + NC>(X, l, b, k0, k1, C, ldc);
+}
+
 template <class D, int MR, int NC>
 void igemm_tile(const kt::Int16Rows& X, const kt::Layout& l, kt::Block b, float* C, int64_t ldc) {
   const int chunk = int_chunk(l);
-  for (int k0 = 0; k0 < l.kp; k0 += chunk)
-    for (int v0 = 0; v0 < 8; v0 += NC) igemm_pass<D, MR, NC>(X, l, b, k0, std::min(k0 + chunk, l.kp), v0, C, ldc);
+  for (int k0 = 0; k0 < l.kp; k0 += chunk) igemm_passes<D, MR, NC>(X, l, b, k0, std::min(k0 + chunk, l.kp), C, ldc);
 }
 
 // Tiles of up to 4 rows; the fewer the rows, the more column groups a pass holds (16 ymm registers).
