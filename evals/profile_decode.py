@@ -248,5 +248,6 @@ def main(argv=None):
             for call, rate, us, share in timed:
                 print(f"| {call} | {rate:,.0f} | {us:,.0f} | {100 * share:.1f}% |")
 
+
 if __name__ == "__main__":
     main()
