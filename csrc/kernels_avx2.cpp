@@ -259,7 +259,8 @@ void gemm_block_pair_avx2(int M, const bf16* A0, const bf16* A1, int64_t lda, co
 // kPrefetchAhead: how far ahead (bytes) the one-row and first column passes prefetch. MoE decode (E=64 top-8,
 // H 2048, I 768, from DRAM, 2-core Zen 2 VM, processes alternated): int8 T=1 1.68 -> 1.43 ms and T=8 9.4 ->
 // 7.7 ms at 512 bytes (384-768 the same) against the next 16 KiB chunk's row as before (1.5-4 KiB: 1.56-1.71);
-// int4 best from 3 to 6 KiB (0.83-0.86 ms; 1 KiB 0.89, 512 bytes 0.95, none 1.05).
+// int4 best from 3 to 6 KiB (0.83-0.86 ms; 1 KiB 0.89, 512 bytes 0.95, none 1.05). On a Zen 3 (Milan) VM, int4
+// T=1 with calls interleaved in one process: 2-16 KiB and the T0/T1/T2 hints within 6% of each other, none 10% slower.
 struct Int8W {  // column group v: 16 bytes (8 columns × the K pair) sign-extended
   static constexpr int kRowBytes = 128;
   static constexpr int kPrefetchAhead = 512;
@@ -277,7 +278,8 @@ struct Int4W {  // column group v: nibble v / 2 of words 16 (v % 2) ..
   // range) and nibble 3 needs no mask: 5 instructions per 32 bytes instead of 7 beside the 4 vpmaddwd, which
   // Zen 2 runs on one port. With the accumulators kept in registers (CMakeLists.txt: -fno-tree-pre), MoE T=1
   // with the weights in L3 (H 1024, I 256, 8 experts, Zen 2, one thread) went 0.216 -> 0.182 ms; from DRAM
-  // (E=64, H 2048, I 768, two threads) T=1 and T=8 run at the read bandwidth as before or slightly faster.
+  // (E=64, H 2048, I 768, two threads) T=1 and T=8 ran as fast as before or slightly faster, bound there by the
+  // memory path (bf16 and int4 experts stream at the same bytes per second).
   static constexpr float kDotUnit[8] = {1.f, 1.f, 1.f / 16, 1.f / 16, 1.f, 1.f, 1.f, 1.f};
   static __m256i load(const uint8_t* row, int v) {
     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * (v % 2)));

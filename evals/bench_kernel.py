@@ -401,12 +401,11 @@ def main(argv=None) -> int:
     for isa in isas:
         all_ours = {fmt: build_ours(isa, fmt) for fmt in formats}  # one table's packed weights, every format, at a time
         # Decode forward rows: every format and its StreamProbe read called in turn, so the speed-ups over bf16 and
-        # the shares of the stream compare calls made in the same moments.
-        # Each format's turn is two calls (other weight sets, other routings: consecutive layers), then the probe.
-        # The first call of a turn follows the probe and pays for it: about 0.07 ms a call on a 2-core VM (also
-        # after any pause of a millisecond or two, in every format; a cold core's caches and predictors), which a
-        # model's layers, called one after the other, do not. The second is the layer-after-layer figure the
-        # tables and speed-ups use; the first is reported beside it ("after probe").
+        # the shares of the stream compare calls made in the same moments. Each format's turn is two calls (other
+        # weight sets, other routings: consecutive layers), then its probe. The first call follows the previous
+        # probe and pays 0.07-0.14 ms for it on a 2-core VM (as after any pause of a millisecond or two, in every
+        # format, workers spinning or not), which a model's layers, called one after the other, do not. The second
+        # is the figure the tables and speed-ups use; the first is reported beside it ("after probe").
         decode = {}
         for T in [T for T in args.tokens if T <= STREAM_MAX_T]:
             fns = [f for fmt in formats for f in (ours_fwd(T, all_ours[fmt], fmt), ours_fwd(T, all_ours[fmt], fmt),
@@ -516,7 +515,8 @@ def main(argv=None) -> int:
         print()
         print("| isa | T | op | " + " | ".join(f"{f} speed-up over bf16" for f in quantized) + " |")
         print("|---|---|---|" + "---|" * len(quantized))
-        after = {(r_["isa"], r_["format"], r_["T"]): r_["after_probe_ms"] for r_ in rows if r_["after_probe_ms"]}
+        after = {(r_["isa"], r_["format"], r_["T"]): r_["after_probe_ms"] for r_ in rows
+                 if r_["after_probe_ms"] is not None}
         for n in names:
             for T in args.tokens:
                 for op in ("fwd", "fwd_bwd"):
