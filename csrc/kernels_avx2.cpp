@@ -179,12 +179,14 @@ inline void gemm_pass(const float* a, int kc, const uint8_t* b, int v0, float* c
       }
     }
   }
+  __m256 sums[MR][NC];
+  spill_sums(acc, sums);
   KT_UNROLL
   for (int m = 0; m < MR; ++m)
     KT_UNROLL
     for (int v = 0; v < NC; ++v) {
       float* out = c + m * ldc + 8 * v;
-      __m256 r = acc[m][v];
+      __m256 r = sums[m][v];
       if (s) {
         const __m256 sv = _mm256_mul_ps(_mm256_loadu_ps(s + 8 * (v0 + v)), _mm256_set1_ps(rescale));
         r = first ? _mm256_mul_ps(r, sv) : _mm256_fmadd_ps(r, sv, _mm256_loadu_ps(out));
@@ -317,6 +319,8 @@ inline void igemm_pass(const kt::Int16Rows& X, const kt::Layout& l, kt::Block b,
       for (int m = 0; m < MR; ++m) acc[m][v] = _mm256_add_epi32(acc[m][v], _mm256_madd_epi16(a[m], w));
     }
   }
+  __m256i sums[MR][NC];
+  spill_sums(acc, sums);
   const int g = k0 / l.group;
   for (int m = 0; m < MR; ++m) {
     const __m256 xsum = _mm256_set1_ps(D::kOffsets ? X.scale[m] * X.sum(m, k0, k1) : 0.f);
@@ -325,7 +329,7 @@ inline void igemm_pass(const kt::Int16Rows& X, const kt::Layout& l, kt::Block b,
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.s + g * kt::Layout::kScaleWords + 8 * (V0 + v)));
       const __m256 s = _mm256_castsi256_ps(D::kOffsets ? _mm256_slli_epi32(raw, 16) : raw);
       const __m256 sx = _mm256_set1_ps(X.scale[m] * D::kDotUnit[V0 + v]);  // exact: a power of two
-      __m256 r = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[m][v]), _mm256_mul_ps(s, sx));
+      __m256 r = _mm256_mul_ps(_mm256_cvtepi32_ps(sums[m][v]), _mm256_mul_ps(s, sx));
       if (D::kOffsets)
         r = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xffff0000u)))), xsum, r);
       float* c = C + m * ldc + 8 * (V0 + v);

@@ -101,7 +101,7 @@ void MoELoRA::backward(const bf16* grad_out, bf16* grad_x, float* grad_w) {
   };
 
   // B2
-  const auto q_tasks = expert_block_tasks(rt, nbI);
+  const auto q_tasks = expert_block_tasks(rt, nbI);  // one block a task: down_t decodes it
   pool->parallel_for(static_cast<int64_t>(q_tasks.size()), [&](int64_t ti) {
     const bf16* wd = down_t(q_tasks[ti].e, q_tasks[ti].cb);
     for_row_blocks(q_tasks[ti], [&](const BlockTask& t) {
@@ -137,7 +137,7 @@ void MoELoRA::backward(const bf16* grad_out, bf16* grad_x, float* grad_w) {
   });
 
   // B4: dx per 64 columns of H and group of experts.
-  const auto groups = expert_groups(rt, nbH, pool->num_threads());
+  const auto groups = column_tasks(rt, nbH, pool->num_threads(), false).groups;
   const int ngroups = static_cast<int>(groups.size());
   const PartialOutputs acc(ws.acc, ngroups, T, nbH);
   pool->parallel_for(static_cast<int64_t>(nbH) * ngroups, [&](int64_t ti) {

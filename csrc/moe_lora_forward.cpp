@@ -94,7 +94,9 @@ void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, 
   });
 
   // B: g, u and h = silu(g) u for 64 columns of I and up to 64 rows of one expert.
-  const auto gu_tasks = expert_block_tasks(rt, nbI);
+  const int64_t gu_blocks = static_cast<int64_t>(rt.active.size()) * nbI;
+  const auto gu_tasks =
+      expert_block_tasks(rt, nbI, decode_sized(rt) ? block_span(gu_blocks, nbI, pool->num_threads()) : 1);
   pool->parallel_for(static_cast<int64_t>(gu_tasks.size()), [&](int64_t ti) {
     for_row_blocks(gu_tasks[ti], [&](const BlockTask& t) {
       const int M = t.r1 - t.r0, c0 = t.cb * kBlockN, nc = std::min(kBlockN, I - c0);
@@ -145,24 +147,27 @@ void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, 
       k_.lora_a_bf16(c.end - c.begin, Hb + c.begin * ldh, ldh, Ad, a->rank, I, td + c.begin * R, R);
   });
 
-  // D: y = h Wdᵀ + s t Bdᵀ, out[t] += w y, per 64 columns of H and group of experts.
-  const auto groups = expert_groups(rt, nbH, pool->num_threads());
-  const int ngroups = static_cast<int>(groups.size());
+  // D: y = h Wdᵀ + s t Bdᵀ, out[t] += w y, per group of experts and span of 64-column blocks of H (column_tasks).
+  const ColumnTasks ct = column_tasks(rt, nbH, pool->num_threads(), true);
+  const int ngroups = static_cast<int>(ct.groups.size());
   const PartialOutputs acc(ws->acc, ngroups, T, nbH);
   auto hrows = [&](int row) { return qh ? ws->hq.at(row) : Int16Rows{}; };
   auto hq = [&](const Int16Rows& r) { return qh ? &r : nullptr; };
-  pool->parallel_for(static_cast<int64_t>(nbH) * ngroups, [&](int64_t ti) {
-    const int cb = static_cast<int>(ti % nbH), grp = static_cast<int>(ti / nbH);
-    const int c0 = cb * kBlockN, nc = std::min(kBlockN, H - c0);
-    float* part = acc.zeroed(grp, cb);
-    // Rows [r0, r1) of expert e, their base product already in C: add the LoRA term, scatter w·y into part.
-    auto finish = [&](int e, int r0, int r1, float* C) {
+  pool->parallel_for(ct.size(), [&](int64_t ti) {
+    const int grp = static_cast<int>(ti / ct.nspans), cb0 = static_cast<int>(ti % ct.nspans) * ct.span;
+    const int cb1 = std::min(nbH, cb0 + ct.span);
+    for (int cb = cb0; cb < cb1; ++cb) acc.zeroed(grp, cb);
+    // Rows [r0, r1) of expert e, their base product of block cb already in C: add the LoRA term, scatter w·y into
+    // the group's partial output.
+    auto finish = [&](int e, int cb, int r0, int r1, float* C) {
+      const int c0 = cb * kBlockN, nc = std::min(kBlockN, H - c0);
       for_segments(rt, e, r0, r1, [&](const Route::Segment& s, int b, int end) {
         const Adapter* a = rt.seg_adapter(s);
         if (!a) return;
         k_.lora_b_add(end - b, td + b * R, R, a->rank, a->down_bt.data() + static_cast<size_t>(e) * a->rank * H + c0,
                       H, nc, a->scale, C + (b - r0) * kBlockN, kBlockN);
       });
+      float* part = acc.slice(grp, cb);
       for (int p = r0; p < r1; ++p) {
         const int tk = rt.pair_tk[p];
         const float w = weights[tk];
@@ -172,13 +177,14 @@ void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, 
       }
     };
     auto rows = [&](int e) { return rt.expert_begin[e + 1] - rt.expert_begin[e]; };
-    auto prefetch_lora = [&](int e) {
+    auto prefetch_lora = [&](int e, int cb) {
+      const int c0 = cb * kBlockN, nc = std::min(kBlockN, H - c0);
       for_segments(rt, e, rt.expert_begin[e], rt.expert_begin[e + 1], [&](const Route::Segment& s, int, int) {
         if (const Adapter* a = rt.seg_adapter(s))
           prefetch_rows(a->down_bt.data() + static_cast<size_t>(e) * a->rank * H + c0, a->rank, H, nc);
       });
     };
-    const auto& es = groups[grp];
+    const auto& es = ct.groups[grp];
     for (size_t i = 0; i < es.size(); ++i) {
       const int e = es[i], b = rt.expert_begin[e];
       if (i + 1 < es.size() && std::min(rows(e), rows(es[i + 1])) <= kPairRows &&
@@ -186,28 +192,34 @@ void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, 
         // Two small experts side by side (decode): their common rows stream both blocks at once; the longer
         // one's remaining rows then find its block in L2.
         const int e2 = es[++i], b2 = rt.expert_begin[e2], n = rows(e), n2 = rows(e2), m = std::min(n, n2);
-        prefetch_lora(e);
-        prefetch_lora(e2);
-        float* C = tl_tile[0];
-        float* C2 = tl_tile[1];
         const Int16Rows h0 = hrows(b), h1 = hrows(b2), h0m = hrows(b + m), h1m = hrows(b2 + m);
-        gemm_block_pair(k_, m, Hb + b * ldh, Hb + b2 * ldh, ldh, down_, e, cb, down_, e2, cb, C, C2, kBlockN, hq(h0), hq(h1));
-        if (n > m) gemm_block(k_, n - m, Hb + (b + m) * ldh, ldh, down_, e, cb, C + m * kBlockN, kBlockN, hq(h0m));
-        if (n2 > m)
-          gemm_block(k_, n2 - m, Hb + (b2 + m) * ldh, ldh, down_, e2, cb, C2 + m * kBlockN, kBlockN, hq(h1m));
-        finish(e, b, b + n, C);
-        finish(e2, b2, b2 + n2, C2);
+        for (int cb = cb0; cb < cb1; ++cb) {
+          prefetch_lora(e, cb);
+          prefetch_lora(e2, cb);
+          float* C = tl_tile[0];
+          float* C2 = tl_tile[1];
+          gemm_block_pair(k_, m, Hb + b * ldh, Hb + b2 * ldh, ldh, down_, e, cb, down_, e2, cb, C, C2, kBlockN, hq(h0),
+                          hq(h1));
+          if (n > m) gemm_block(k_, n - m, Hb + (b + m) * ldh, ldh, down_, e, cb, C + m * kBlockN, kBlockN, hq(h0m));
+          if (n2 > m)
+            gemm_block(k_, n2 - m, Hb + (b2 + m) * ldh, ldh, down_, e2, cb, C2 + m * kBlockN, kBlockN, hq(h1m));
+          finish(e, cb, b, b + n, C);
+          finish(e2, cb, b2, b2 + n2, C2);
+        }
         continue;
       }
-      prefetch_lora(e);
-      for (int r0 = b, r1; r0 < rt.expert_begin[e + 1]; r0 = r1) {
-        r1 = run_end(r0, rt.expert_begin[e + 1]);
-        const Int16Rows h = hrows(r0);
-        gemm_block(k_, r1 - r0, Hb + r0 * ldh, ldh, down_, e, cb, tl_tile[0], kBlockN, hq(h));
-        finish(e, r0, r1, tl_tile[0]);
+      for (int cb = cb0; cb < cb1; ++cb) {
+        prefetch_lora(e, cb);
+        for (int r0 = b, r1; r0 < rt.expert_begin[e + 1]; r0 = r1) {
+          r1 = run_end(r0, rt.expert_begin[e + 1]);
+          const Int16Rows h = hrows(r0);
+          gemm_block(k_, r1 - r0, Hb + r0 * ldh, ldh, down_, e, cb, tl_tile[0], kBlockN, hq(h));
+          finish(e, cb, r0, r1, tl_tile[0]);
+        }
       }
     }
-    if (ngroups == 1) acc.store(cb, H, out);
+    if (ngroups == 1)
+      for (int cb = cb0; cb < cb1; ++cb) acc.store(cb, H, out);
   });
   if (ngroups > 1) pool->parallel_for(nbH, [&](int64_t cb) { acc.store(static_cast<int>(cb), H, out); });
   if (!save) rt.keep.clear();  // do not pin adapters beyond the call

@@ -85,21 +85,43 @@ struct BackwardScratch {
 void build_route(MoELoRA::Route& rt, int E, int T, int k, const void* ids, bool ids64, const int32_t* slots,
                  int uniform_slot, const std::vector<std::shared_ptr<const Adapter>>& table);
 
-// GEMM tasks: all rows of one expert and one 64-column block, walked by for_row_blocks in runs (run_end). One
-// task for all runs reads the block from memory once; the later runs find it in L2.
+// GEMM tasks: all rows of one expert and its 64-column blocks [cb, cb_end), walked by for_row_blocks block by
+// block, each in runs of rows (run_end). One task for all runs reads a block from memory once; the later runs
+// find it in L2.
 struct BlockTask {
-  int e, r0, r1, cb;
+  int e, r0, r1, cb, cb_end;
 };
-std::vector<BlockTask> expert_block_tasks(const MoELoRA::Route& rt, int nblocks);
+// Tasks of `span` consecutive blocks of an expert (the last one of an expert may be shorter).
+std::vector<BlockTask> expert_block_tasks(const MoELoRA::Route& rt, int nblocks, int span = 1);
+
+// How many consecutive blocks of one matrix a task should take, when `tasks` tasks of one block each would do:
+// as many as leave kTasksPerThread tasks to each thread. An expert's blocks lie one after the other in memory;
+// with a block a task, the cores take turns along a matrix and each restarts its hardware prefetch stream at
+// every block it gets (64 KiB of int4 gate weights at H = 2048, 24 KiB of down), where a run of blocks is one
+// stream (measured in moe_lora_route.cpp).
+int block_span(int64_t tasks, int nblocks, int nthreads);
+constexpr int kTasksPerThread = 4;
+// Whether a call's experts have on average no more rows than the pair tiles take (decode): then its GEMM tasks
+// stream weights, and long spans pay.
+bool decode_sized(const MoELoRA::Route& rt);
 
 template <class F>
 inline void for_row_blocks(const BlockTask& task, F&& f) {
-  for (int r0 = task.r0, r1; r0 < task.r1; r0 = r1) f(BlockTask{task.e, r0, r1 = run_end(r0, task.r1), task.cb});
+  for (int cb = task.cb; cb < task.cb_end; ++cb)
+    for (int r0 = task.r0, r1; r0 < task.r1; r0 = r1) f(BlockTask{task.e, r0, r1 = run_end(r0, task.r1), cb, cb + 1});
 }
 
-// Experts split into groups of similar pair counts, for the phases whose tasks are (column block, group):
-// each group accumulates into its own partial output, so tasks never write the same element.
-std::vector<std::vector<int>> expert_groups(const MoELoRA::Route& rt, int nblocks, int nthreads);
+// Tasks of the phases that sum over experts into the output's column blocks: (group of experts, span of column
+// blocks). Each group accumulates into its own partial output, so tasks never write the same element.
+struct ColumnTasks {
+  std::vector<std::vector<int>> groups;
+  int span = 1, nspans = 1;
+  int64_t size() const { return static_cast<int64_t>(groups.size()) * nspans; }
+};
+// Groups of similar pair counts, spans of one block. With `long_spans`, a decode-sized call whose partial
+// outputs are small takes groups of two experts (the pair microkernels stream both blocks at once) and
+// spans of block_span's length instead, so that a task streams each of its experts' blocks in one run.
+ColumnTasks column_tasks(const MoELoRA::Route& rt, int nblocks, int nthreads, bool long_spans);
 
 // The fp32 outputs those tasks accumulate, [groups][nbH][T][64]: one task's T rows of 64 columns contiguous.
 // (As [T, H], a slice's rows are H floats apart and, H a power of two, share a few cache sets: MoE T=512 spent

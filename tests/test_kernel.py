@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from kt_serve import _kernel
-from kt_serve.kernel import KT_NAMES, ExpertLoRA, MoEExperts, MoELoRAExperts, set_idle_spin_us
+from kt_serve.kernel import (KT_NAMES, ExpertLoRA, MoEExperts, MoELoRAExperts, num_threads, set_idle_spin_us,
+                             set_num_threads)
 from moe_reference import moe_lora_reference
 
 ISAS = (["portable"] + (["avx2"] if _kernel.has_avx2() else [])
@@ -145,6 +146,34 @@ def test_decode_batch_with_uneven_small_experts(isa):
         ref = moe_lora_reference(x, ids, w, gate, up, down, lora=lora)
         for t in range(T):  # every token, so one wrong row cannot hide in the batch norm
             assert rel_l2(y[t], ref[t]) <= TOL, t
+
+
+@pytest.mark.parametrize("threads", [1, 3, 5])
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_decode_task_spans_for_any_thread_count(fmt, threads):
+    # Decode-sized calls give a task runs of consecutive column blocks (and the down projection groups of two
+    # experts); how long depends on the thread count. 7 column blocks of H and 5 of I, cut into uneven spans,
+    # an odd number of active experts (a group of one), one expert with more rows than the pair tiles take.
+    E, H, I, r, T, k = 13, 64 * 6 + 33, 64 * 4 + 10, 4, 5, 3
+    g = torch.Generator().manual_seed(21)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    ids[:, 0] = 4  # every token: 5 rows for expert 4
+    w = torch.rand(T, k, generator=g)
+    gate, up, down = make_weights(E, H, I, seed=22)
+    lo = make_lora(E, H, I, r, seed=23)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    before = num_threads()
+    set_num_threads(threads)
+    try:
+        m = MoEExperts(gate, up, down, weight_format=fmt)
+        m.set_adapter(0, ExpertLoRA.from_kt(lo, lo["alpha"]))
+        q = m.dequantized()  # fp32; for int4 the reference takes the weights the kernel serves
+        y = m.forward_sft(x, ids, w, slots=0)
+    finally:
+        set_num_threads(before)
+    ref = moe_lora_reference(x, ids, w, q["gate_proj"], q["up_proj"], q["down_proj"], lora=lo)
+    for t in range(T):
+        assert rel_l2(y[t], ref[t]) <= TOL, t
 
 
 @pytest.mark.parametrize("isa", ISAS)
