@@ -195,8 +195,10 @@ void lora_a_rows(const bf16* X, int64_t ldx, const bf16* A, int r, int K, float*
         for (int i = 0; i < MR; ++i) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], x[i], a);
       }
     }
+    __m512 sums[MR][8];
+    spill_sums(acc, sums);
     for (int i = 0; i < MR; ++i)
-      for (int q = 0; q < nj; ++q) T[i * ldt + j + q] = _mm512_reduce_add_ps(acc[i][q]);
+      for (int q = 0; q < nj; ++q) T[i * ldt + j + q] = _mm512_reduce_add_ps(sums[i][q]);
   }
 }
 
