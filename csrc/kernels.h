@@ -123,8 +123,10 @@ struct Kernels {
                             const float* off, const float* xsum, float* C, int64_t ldc, bool first);
   // From this many rows an int8 / int4 block is decoded to bf16 and run through gemm_block rather than the
   // register-decoding qgemm_block. AVX2 (never): its vpmaddwd path outruns its fp32 FMAs on bf16 at any row
-  // count. AVX512 and AMX from 16 rows, where vdpbf16ps / the tiles outrun vpdpwssd (Zen 4, MoE T=512: int8
-  // 217 ms in registers, 115 ms decoded, bf16 101 ms). fp8 is decoded from 16 rows always.
+  // count. AVX512 (never): on Zen 4, MoE int8 / int4 at T=128 ran 1.25x / 1.17x, at T=256 1.24x / 1.18x and at
+  // T=512 1.08x faster in registers than decoded (T=64 the same); the register path had lost 2x before its
+  // accumulators stopped being copied every iteration (spill_sums). AMX from 16 rows, where the tiles outrun
+  // vpdpwssd. fp8 is decoded from 16 rows always.
   int int_decode_min_rows;
 
   // Decode attention (decode_attention.cpp), the G query heads of one KV head over n cache slots; K and V rows
