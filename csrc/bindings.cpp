@@ -6,6 +6,7 @@
 #include <string>
 
 #include "decode_attention.h"
+#include "decode_stack.h"
 #include "dense_linear.h"
 #include "dropout.h"
 #include "kernels.h"
@@ -220,6 +221,39 @@ PYBIND11_MODULE(_kernel, m) {
                              ldo, kern);
       },
       "Decode attention of B requests over a paged bf16 KV cache; see csrc/decode_attention.h");
+  py::class_<kt::DecodeStack>(m, "DecodeStack")
+      .def(py::init([](int H, int Hq, int Hkv, int D, uintptr_t final_norm, float final_eps, const std::string& isa) {
+             return new kt::DecodeStack(H, Hq, Hkv, D, ptr<const bf16>(final_norm), final_eps,
+                                        kt::select_kernels(isa.c_str()));
+           }),
+           py::arg("hidden"), py::arg("q_heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("final_norm"),
+           py::arg("final_eps"), py::arg("isa") = "auto")
+      .def("add_layer",
+           [](kt::DecodeStack& s, uintptr_t input_norm, float input_eps, const kt::DenseLinear& qkv, uintptr_t qkv_bias,
+              uintptr_t q_norm, float q_eps, uintptr_t k_norm, float k_eps, uintptr_t cos_sin, int64_t max_position,
+              int rotary_dim, bool neox, uintptr_t k_cache, int64_t ldk, uintptr_t v_cache, int64_t ldv,
+              int64_t cache_slots, float scale, const kt::DenseLinear& o_proj, uintptr_t o_bias, uintptr_t post_norm,
+              float post_eps, const kt::DenseLinear& gate, kt::MoELoRA& experts, int top_k, bool renormalize) {
+             s.add_layer(kt::DecoderLayer{ptr<const bf16>(input_norm), input_eps, &qkv, ptr<const float>(qkv_bias),
+                                          ptr<const bf16>(q_norm), q_eps, ptr<const bf16>(k_norm), k_eps,
+                                          ptr<const float>(cos_sin), max_position, rotary_dim, neox, ptr<bf16>(k_cache),
+                                          ldk, ptr<bf16>(v_cache), ldv, cache_slots, scale, &o_proj,
+                                          ptr<const float>(o_bias), ptr<const bf16>(post_norm), post_eps, &gate,
+                                          &experts, top_k, renormalize});
+           },
+           // the stack holds raw pointers to these: they live as long as it does
+           py::keep_alive<1, 4>(), py::keep_alive<1, 20>(), py::keep_alive<1, 24>(), py::keep_alive<1, 25>())
+      .def_property_readonly("num_layers", &kt::DecodeStack::num_layers)
+      .def("forward",
+           [](const kt::DecodeStack& s, int B, uintptr_t x, uintptr_t positions, uintptr_t req_to_token,
+              int64_t req_rows, int64_t ld_req, uintptr_t req_pool_indices, uintptr_t seq_lens, uintptr_t cache_loc, uintptr_t slots,
+              int uniform_slot) {
+             py::gil_scoped_release nogil;
+             s.forward(B, ptr<bf16>(x), ptr<const int64_t>(positions), ptr<const int32_t>(req_to_token), req_rows, ld_req,
+                       ptr<const int64_t>(req_pool_indices), ptr<const int64_t>(seq_lens),
+                       ptr<const int64_t>(cache_loc), ptr<const int32_t>(slots), uniform_slot);
+           },
+           "A Qwen3-MoE decoder stack's decode step in one call (csrc/decode_stack.h).");
   m.def("set_num_threads", &kt::set_num_threads, py::arg("n"),
         "Size of the global worker pool (caller included); n < 1 means the default (physical cores).");
   m.def("num_threads", [] { return kt::global_pool()->num_threads(); });

@@ -1,0 +1,72 @@
+// A Qwen3-MoE decoder stack's decode step in one call: for a batch of B requests (one new token each), every
+// layer's input RMSNorm (+ residual), qkv projection, per-head q / k RMSNorm and rotary, paged attention (storing
+// the step's K and V at their cache slots), o projection, post-attention RMSNorm (+ residual) and MoE block (router
+// gate, softmax top-k, routed experts with their LoRA slots), then the final RMSNorm. Each piece is the kernel's own
+// op (rms_norm.h, dense_linear.h, rotary.h, decode_attention.h, router.h) called in SGLang's order with SGLang's
+// roundings, so a step gives what the ops give called one by one from Python; what it saves is the Python between
+// them, which at decode runs cold after every weight stream (evals/profile_decode.py --timers).
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "decode_attention.h"
+#include "dense_linear.h"
+#include "kernels.h"
+#include "moe_lora.h"
+
+namespace kt {
+
+// One decoder layer's weights and KV cache. Norm weights bf16 [H] (q / k norms [D]); biases fp32 or null.
+struct DecoderLayer {
+  const bf16* input_norm;
+  float input_eps;
+  const DenseLinear* qkv;  // [(Hq + 2 Hkv) D, H]
+  const float* qkv_bias;
+  const bf16* q_norm;
+  float q_eps;
+  const bf16* k_norm;
+  float k_eps;
+  const float* cos_sin;  // fp32 [max_position, rotary_dim]: cos then sin (rotary.h)
+  int64_t max_position;
+  int rotary_dim;
+  bool neox;
+  bf16* k_cache;  // [slots][Hkv][D], ldk values between slots
+  int64_t ldk;
+  bf16* v_cache;  // [slots][Hkv][D]
+  int64_t ldv;
+  int64_t cache_slots;
+  float scale;
+  const DenseLinear* o_proj;  // [H, Hq D]
+  const float* o_bias;
+  const bf16* post_norm;
+  float post_eps;
+  const DenseLinear* gate;  // [E, H], no bias
+  MoELoRA* experts;
+  int top_k;
+  bool renormalize;
+};
+
+class DecodeStack {
+ public:
+  // H hidden size; Hq / Hkv query and KV heads of D values; final_norm bf16 [H].
+  DecodeStack(int H, int Hq, int Hkv, int D, const bf16* final_norm, float final_eps, const Kernels& k);
+  void add_layer(const DecoderLayer& layer);  // checks its shapes against the stack's
+  int num_layers() const { return static_cast<int>(layers_.size()); }
+
+  // x: bf16 [B][H] token embeddings in, the final norm's output written over them. positions, req_pool_indices,
+  // seq_lens (including this step's token), cache_loc: int64 [B]; req_to_token int32 [req_rows] rows ld_req apart
+  // (a request index or length outside it throws before anything is written). slots:
+  // int32 [B] expert-LoRA slot per request, or null for uniform_slot everywhere (-1: none).
+  void forward(int B, bf16* x, const int64_t* positions, const int32_t* req_to_token, int64_t req_rows, int64_t ld_req,
+               const int64_t* req_pool_indices, const int64_t* seq_lens, const int64_t* cache_loc,
+               const int32_t* slots, int uniform_slot) const;
+
+ private:
+  int H_, Hq_, Hkv_, D_;
+  const bf16* final_norm_;
+  float final_eps_;
+  const Kernels& k_;
+  std::vector<DecoderLayer> layers_;
+};
+
+}  // namespace kt
