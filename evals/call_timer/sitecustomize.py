@@ -1,7 +1,7 @@
 """Put on a server's PYTHONPATH by ``evals/profile_decode.py --call-times`` / ``--timers``: when KT_SERVE_CALL_TIMES
 is set, every process of the server times the kernel's calls (routed experts, packed dense linears, decode
-attention, RMSNorm, rotary, segmented LoRA) by kind and shape, and the ones that made any write their running totals
-to ``$KT_SERVE_CALL_TIMES.<pid>.json`` twice a second. A wall clock around each call, so the shares add up where
+attention, RMSNorm, rotary, segmented LoRA, a whole decoder stack's step) by kind and shape, and the ones that made
+any write their running totals to ``$KT_SERVE_CALL_TIMES.<pid>.json`` twice a second. A wall clock around each call, so the shares add up where
 py-spy's sampling leaves part of a call to its Python callers.
 
 With KT_SERVE_MODULE_TIMES=1 as well, torch's global module hooks (a public torch API, so every model family is
@@ -21,6 +21,7 @@ if os.environ.get("KT_SERVE_CALL_TIMES"):
         import torch
 
         import kt_serve.attention as attention
+        import kt_serve.decode_stack as decode_stack
         import kt_serve.dense as dense
         import kt_serve.kernel as kernel
         import kt_serve.norm as norm
@@ -69,6 +70,8 @@ if os.environ.get("KT_SERVE_CALL_TIMES"):
         for name in ("forward_routed", "forward_sft"):
             setattr(kernel.MoEExperts, name, timed("experts", lambda m, x, *a: f"x{rows(x)}",
                                                    getattr(kernel.MoEExperts, name)))
+        decode_stack.DecodeStack.forward = timed("decode stack (all layers)", lambda m, x, *a: f"x{rows(x)}",
+                                                 decode_stack.DecodeStack.forward)
         # module-level functions the plugin imports at call time (or when it builds its attention backend, after
         # this ran), so replacing the module attribute reaches every caller
         by_rows = lambda x, *a: f"x{rows(x)}"  # noqa: E731

@@ -21,6 +21,7 @@ class AdapterBatch:
     uniform_slot: int
     lora_ids: list
     seq_lens: list[int]
+    layer_lora: bool = False  # some request's adapter has LoRA inside the decoder layers (SGLang's half)
     _groups: list | None = None
 
     def adapter_tokens(self) -> list[tuple[object, slice | torch.Tensor]]:
@@ -45,19 +46,19 @@ class AdapterBatch:
 _current: AdapterBatch | None = None
 
 
-def set_batch(lora_ids, seq_lens, slot_of) -> None:
+def set_batch(lora_ids, seq_lens, slot_of, layer_lora: bool = False) -> None:
     """lora_ids: adapter id (or None) per request; seq_lens: tokens per request in this forward;
-    slot_of: maps an adapter id (or None) to its kernel slot (-1: none)."""
+    slot_of: maps an adapter id (or None) to its kernel slot (-1: none); layer_lora: AdapterBatch.layer_lora."""
     global _current
     slots = [slot_of(uid) for uid in lora_ids]
     seq_lens = [int(n) for n in seq_lens]
     num_tokens = sum(seq_lens)
     if len(set(slots)) <= 1:
-        _current = AdapterBatch(num_tokens, None, slots[0] if slots else -1, list(lora_ids), seq_lens)
+        _current = AdapterBatch(num_tokens, None, slots[0] if slots else -1, list(lora_ids), seq_lens, layer_lora)
         return
     token_slots = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int32),
                                           torch.tensor(seq_lens, dtype=torch.int64))
-    _current = AdapterBatch(num_tokens, token_slots, -1, list(lora_ids), seq_lens)
+    _current = AdapterBatch(num_tokens, token_slots, -1, list(lora_ids), seq_lens, layer_lora)
 
 
 def clear_batch() -> None:

@@ -96,15 +96,20 @@ def _qk_plan(attn, forward_batch) -> bool:
             and not (attn.compatible_with_fused_kv_buffer and enable_fused_set_kv_buffer(forward_batch)))
 
 
-def apply_qk_norm_rope(original, attn, qkv, positions, forward_batch):
-    """AROUND Qwen3MoeAttention.apply_qk_norm_rope: the split, q_norm / k_norm per head and rotary of a CPU host's
-    attention in one C++ call (kt_serve.rotary.qk_norm_rope) instead of SGLang's split, two RMSNorm modules and the
-    rotary module, each a run of Python and dispatch that a decode step pays cold after the weight streams."""
+def qk_plan(attn, forward_batch) -> bool:
+    """Whether qk_norm_rope runs this attention module's q / k norm and rotary (worked out once per module)."""
     plan = getattr(attn, _QK_PLAN, None)
     if plan is None:
         plan = _qk_plan(attn, forward_batch)
         setattr(attn, _QK_PLAN, plan)
-    if (not plan or qkv.dtype != torch.bfloat16 or qkv.device.type != "cpu" or qkv.dim() != 2
+    return plan
+
+
+def apply_qk_norm_rope(original, attn, qkv, positions, forward_batch):
+    """AROUND Qwen3MoeAttention.apply_qk_norm_rope: the split, q_norm / k_norm per head and rotary of a CPU host's
+    attention in one C++ call (kt_serve.rotary.qk_norm_rope) instead of SGLang's split, two RMSNorm modules and the
+    rotary module, each a run of Python and dispatch that a decode step pays cold after the weight streams."""
+    if (not qk_plan(attn, forward_batch) or qkv.dtype != torch.bfloat16 or qkv.device.type != "cpu" or qkv.dim() != 2
             or qkv.stride(-1) != 1 or qkv.shape[0] == 0 or not isinstance(positions, torch.Tensor)
             or positions.numel() != qkv.shape[0]):
         return original(attn, qkv, positions, forward_batch)

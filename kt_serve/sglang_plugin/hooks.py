@@ -71,6 +71,9 @@ def _register_worker_hooks(HookRegistry, HookType) -> None:
 
                 HookRegistry.register(f"{moe_block.QWEN3_MOE_BLOCK}.forward_normal", moe_block.forward_normal,
                                       HookType.AROUND)
+                from . import decode_step
+
+                HookRegistry.register(f"{decode_step.QWEN2_MOE_MODEL}.forward", decode_step.forward, HookType.AROUND)
             from sglang.srt.utils.common import cpu_has_amx_support
 
             if not cpu_has_amx_support():  # with AMX, SGLang's forward_cpu runs its own fused kernel

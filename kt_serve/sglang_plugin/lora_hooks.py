@@ -82,8 +82,19 @@ def prepare_lora_batch(result, manager, forward_batch, *args, **kwargs):
     """AFTER LoRAManager.prepare_lora_batch: the adapter of each token for this forward (kernel slots; the gate
     LoRA's token groups)."""
     slot_of = _registry().slot_of if get_config().enabled else (lambda uid: -1)
-    batch.set_batch(forward_batch.lora_ids, batch.forward_batch_seq_lens(forward_batch), slot_of)
+    batch.set_batch(forward_batch.lora_ids, batch.forward_batch_seq_lens(forward_batch), slot_of,
+                    layer_lora=any(_has_layer_lora(manager, uid) for uid in set(forward_batch.lora_ids) if uid))
     return result
+
+
+def _has_layer_lora(manager, uid) -> bool:
+    """Whether SGLang's half of adapter uid has weights inside the decoder layers (q/k/v/o, MLPs), where the
+    decode stack (decode_step.py) cannot apply them; embeddings and lm_head run outside it. Cached per adapter."""
+    known = manager.__dict__.setdefault("_kt_layer_lora", {})
+    if uid not in known:
+        adapter = manager.loras.get(uid)
+        known[uid] = adapter is None or any(layer.weights for layer in adapter.layers)
+    return known[uid]
 
 
 class _NotAFusedMoE:

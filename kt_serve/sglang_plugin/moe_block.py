@@ -39,8 +39,16 @@ class _Plan:
                                                                                gate_key)
 
 
+def block_plan(block):
+    """The block's _Plan, or a string saying why SGLang's own path must run it (worked out once per block)."""
+    plan = getattr(block, _PLAN, None)
+    if plan is None:
+        plan = _plan(block)
+        setattr(block, _PLAN, plan)
+    return plan
+
+
 def _plan(block):
-    """The block's _Plan, or a string saying why SGLang's own path must run it (checked once per block)."""
     from sglang.srt.eplb.expert_distribution import (_ExpertDistributionRecorderNoop,
                                                      get_global_expert_distribution_recorder)
     from sglang.srt.eplb.expert_location_dispatch import ExpertLocationDispatchInfo
@@ -76,35 +84,42 @@ def _plan(block):
     return _Plan(packed, method.experts, int(cfg.top_k), bool(cfg.renormalize), (block.layer_id, "mlp.gate"))
 
 
-def _why_not_now(plan: _Plan, x: torch.Tensor):
-    """Why this call (not the block) must take SGLang's path, or None."""
+def batch_reason(num_tokens: int):
+    """Why a batch of num_tokens must take SGLang's router path in every block, or None."""
     from sglang.srt.model_executor.forward_context import get_forward_context, has_forward_context
     from sglang.srt.state_capturer.routed_experts import get_global_experts_capturer
 
-    from .gate_lora import get_gate_lora
-
-    if x.dim() != 2 or x.device.type != "cpu" or x.dtype != torch.bfloat16:
-        return "an input that is not a CPU bf16 [tokens, hidden] tensor"
     if get_global_experts_capturer() is not None:
         return "routed-expert capture"
     bound = get_forward_context().moe_num_token_non_padded if has_forward_context() else None
     real = bound() if bound is not None else None
-    if real is not None and int(real) < x.shape[0]:  # SGLang would mask the padded rows' experts
+    if real is not None and int(real) < num_tokens:  # SGLang would mask the padded rows' experts
         return "padded rows in the batch"
-    if any(plan.gate_key in weights for weights in get_gate_lora().adapters.values()):
-        return "router LoRA in a loaded adapter"
+    return None
+
+
+def router_lora_reason(gate_keys) -> str | None:
+    """Why blocks whose gates are ``gate_keys`` must take SGLang's path now: a loaded adapter with router LoRA."""
+    from .gate_lora import get_gate_lora
+
+    for weights in get_gate_lora().adapters.values():
+        if any(key in weights for key in gate_keys):
+            return "router LoRA in a loaded adapter"
     return None
 
 
 def forward_normal(original, block, hidden_states: torch.Tensor):
     """AROUND Qwen3MoeSparseMoeBlock.forward_normal."""
-    plan = getattr(block, _PLAN, None)
-    if plan is None:
-        plan = _plan(block)
-        setattr(block, _PLAN, plan)
+    plan = block_plan(block)
     if hidden_states.shape[0] == 0:  # an empty batch: nothing to route, nothing to say
         return original(block, hidden_states)
-    reason = plan if isinstance(plan, str) else _why_not_now(plan, hidden_states)
+    x = hidden_states
+    if isinstance(plan, str):
+        reason = plan
+    elif x.dim() != 2 or x.device.type != "cpu" or x.dtype != torch.bfloat16:
+        reason = "an input that is not a CPU bf16 [tokens, hidden] tensor"
+    else:
+        reason = batch_reason(x.shape[0]) or router_lora_reason((plan.gate_key,))
     if reason is not None:
         _log_once(f"MoE blocks keep SGLang's router path: {reason}")
         return original(block, hidden_states)
@@ -112,6 +127,6 @@ def forward_normal(original, block, hidden_states: torch.Tensor):
     from .experts import get_registry
 
     _log_once("MoE blocks in one kernel call (router gate, softmax top-k, routed experts)")
-    x = hidden_states if hidden_states.is_contiguous() else hidden_states.contiguous()
+    x = x if x.is_contiguous() else x.contiguous()
     slots = batch.slots_for(x.shape[0], get_registry().default_slot)
     return plan.experts.forward_routed(x, plan.gate, plan.top_k, plan.renormalize, slots)

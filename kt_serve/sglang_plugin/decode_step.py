@@ -1,0 +1,173 @@
+"""A CPU host's Qwen3-MoE decode step in one kernel call (kt_serve/decode_stack.py) instead of SGLang's layer loop.
+
+With the plugin's CPU ops every piece of a decode layer already runs in our kernel (packed q/k/v/o and router,
+C++ RMSNorm, q / k norm + rotary, kt_cpu attention with its KV write, the MoE block), yet timing a step inside the
+server (evals/profile_decode.py --timers) left about a fifth of it in the Python between those calls: SGLang's
+layer boundaries and residual stream, module calls, the attention backend's dispatch, each run cold after the
+weight streams that evicted the interpreter's working set. A decode batch that every layer's fast path would take
+now runs as ``embed_tokens`` then one :class:`kt_serve.decode_stack.DecodeStack` call (all layers and the final
+norm), then SGLang's logits processor; the same kernel ops in the same order, so the same numbers.
+
+The stack is worked out once per model (and again if SGLang reallocates the KV pool); a model it cannot take keeps
+SGLang's loop, with the reason logged once: a model other than Qwen3-MoE, pipeline or tensor parallelism, layers
+not packed (AMX hosts keep SGLang's own kernels), another attention backend or KV pool, aux hidden-state capture,
+or a block the MoE fast path refuses (moe_block.py). Per step, prefill / extend / idle batches, input embeddings,
+two-batch overlap, routed-expert capture, padded rows, router LoRA and requests whose adapter has LoRA on the
+layers' dense projections (SGLang's LoRA wrappers apply it) keep the loop too; expert LoRA runs in the stack.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+QWEN2_MOE_MODEL = "sglang.srt.models.qwen2_moe.Qwen2MoeModel"
+_PLAN = "_kt_decode_stack"  # on the model: its _Stack, or the reason it has none
+_logged: set = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.info("kt_serve: %s", message)
+
+
+class _Stack:
+    __slots__ = ("stack", "caches", "gate_keys", "lora_wrapped", "max_tokens")
+
+    def __init__(self, stack, caches, gate_keys, lora_wrapped: bool, max_tokens: int):
+        self.stack, self.caches, self.gate_keys = stack, caches, gate_keys
+        self.lora_wrapped, self.max_tokens = lora_wrapped, max_tokens
+
+
+def _packed(module):
+    from .dense_linear import _ATTR
+
+    return getattr(getattr(module, "base_layer", module), _ATTR, None)
+
+
+def _build(model, forward_batch):
+    """The model's _Stack, or a string saying why SGLang's layer loop must run its decode steps."""
+    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.model_executor.forward_context import get_attn_backend
+    from sglang.srt.models.qwen3_moe import Qwen3MoeAttention, Qwen3MoeDecoderLayer, Qwen3MoeModel
+
+    from kt_serve.decode_stack import DecodeStack
+
+    from .cpu_attention import _backend_class
+    from .cpu_rotary import _fp32_cache, _plain_norm, qk_plan
+    from .moe_block import block_plan
+
+    if type(model) is not Qwen3MoeModel:
+        return f"{type(model).__name__} is not a Qwen3-MoE model"
+    if model.pp_group.world_size != 1 or get_parallel().attn_tp_size != 1:
+        return "pipeline or tensor parallelism"
+    if model.start_layer != 0 or model.end_layer != len(model.layers) or not len(model.layers):
+        return "a partial layer range"
+    backend = get_attn_backend()
+    if not isinstance(backend, _backend_class()):
+        return f"attention backend {type(backend).__name__}, not kt_cpu"
+    pool, H = backend.token_to_kv_pool, model.config.hidden_size
+    if not _plain_norm(model.norm, H):
+        return "a final norm other than a plain bf16 RMSNorm"
+    stack, caches, gate_keys, wrapped, max_tokens = None, [], [], False, None
+    for i, layer in enumerate(model.layers):
+        attn, radix = getattr(layer, "self_attn", None), getattr(getattr(layer, "self_attn", None), "attn", None)
+        if type(layer) is not Qwen3MoeDecoderLayer or type(attn) is not Qwen3MoeAttention:
+            return f"layer {i} is not a Qwen3-MoE decoder layer"
+        if getattr(layer, "_is_layer_to_capture", False):
+            return "aux hidden-state capture"
+        moe = block_plan(layer.mlp) if getattr(layer, "is_layer_sparse", False) else "a dense MLP layer"
+        if isinstance(moe, str):
+            return f"layer {i}'s MoE block: {moe}"
+        qkv, o = _packed(attn.qkv_proj), _packed(attn.o_proj)
+        if qkv is None or o is None:
+            return f"layer {i}'s attention projections are not packed bf16 layers"
+        if not (_plain_norm(layer.input_layernorm, H) and _plain_norm(layer.post_attention_layernorm, H)):
+            return f"layer {i}'s norms are not plain bf16 RMSNorms"
+        if not qk_plan(attn, forward_batch):
+            return f"layer {i}'s q / k norm and rotary are not on the kernel"
+        if backend._layer_plan(radix) != (None, True):
+            return f"layer {i}'s attention or KV write is not on the kernel"
+        D = attn.head_dim
+        if (radix.tp_q_head_num, radix.tp_k_head_num, radix.qk_head_dim, radix.v_head_dim) != (
+                attn.num_heads, attn.num_kv_heads, D, D):
+            return f"layer {i}'s attention heads differ from its projections"
+        if stack is None:
+            stack = DecodeStack(H, attn.num_heads, attn.num_kv_heads, D, model.norm.weight.data,
+                                model.norm.variance_epsilon)
+        rope = attn.rotary_emb
+        k_cache, v_cache = pool.get_key_buffer(radix.layer_id), pool.get_value_buffer(radix.layer_id)
+        stack.add_layer(input_norm=layer.input_layernorm.weight.data, input_eps=layer.input_layernorm.variance_epsilon,
+                        qkv=qkv, q_norm=attn.q_norm.weight.data, q_eps=attn.q_norm.variance_epsilon,
+                        k_norm=attn.k_norm.weight.data, k_eps=attn.k_norm.variance_epsilon, cos_sin=_fp32_cache(rope),
+                        rotary_dim=rope.rotary_dim, neox=rope.is_neox_style, k_cache=k_cache, v_cache=v_cache,
+                        scale=radix.scaling, o_proj=o, post_norm=layer.post_attention_layernorm.weight.data,
+                        post_eps=layer.post_attention_layernorm.variance_epsilon, gate=moe.gate, experts=moe.experts,
+                        top_k=moe.top_k, renormalize=moe.renormalize)
+        caches += [k_cache, v_cache]
+        gate_keys.append(moe.gate_key)
+        wrapped = wrapped or any(hasattr(m, "set_lora") for m in (attn.qkv_proj, attn.o_proj))
+        max_tokens = min(max_tokens or moe.experts.max_tokens, moe.experts.max_tokens)
+    return _Stack(stack, caches, tuple(gate_keys), wrapped, max_tokens)
+
+
+def _kv_moved(plan: _Stack, pool, model) -> bool:
+    """Whether SGLang has replaced a layer's KV buffer since the stack took its address."""
+    for i, layer in enumerate(model.layers):
+        lid = layer.self_attn.attn.layer_id
+        if (pool.get_key_buffer(lid).data_ptr() != plan.caches[2 * i].data_ptr()
+                or pool.get_value_buffer(lid).data_ptr() != plan.caches[2 * i + 1].data_ptr()):
+            return True
+    return False
+
+
+def _step_reason(plan: _Stack, B: int, positions, forward_batch, backend) -> str | None:
+    """Why this decode batch of B requests keeps SGLang's layer loop, or None."""
+    from . import batch
+    from .moe_block import batch_reason, router_lora_reason
+
+    if B > plan.max_tokens:
+        return "a batch larger than the experts' max_tokens"
+    if backend._idx is None or backend._idx.shape[0] != B:
+        return "a decode batch without its attention metadata"
+    loc = forward_batch.out_cache_loc
+    if (loc.dtype != torch.int64 or loc.shape != (B,) or not loc.is_contiguous() or positions.dtype != torch.int64
+            or positions.shape != (B,) or not positions.is_contiguous()):
+        return "cache locations or positions that are not int64 [batch]"
+    reason = batch_reason(B) or router_lora_reason(plan.gate_keys)
+    if reason is None and plan.lora_wrapped:
+        current = batch.current()
+        if current is not None and current.layer_lora:
+            return "adapters with LoRA on the decoder layers' dense projections (SGLang's LoRA)"
+    return reason
+
+
+def forward(original, model, input_ids, positions, forward_batch, input_embeds=None, pp_proxy_tensors=None, **kw):
+    """AROUND Qwen2MoeModel.forward (which Qwen3MoeModel inherits)."""
+    if (kw or input_embeds is not None or pp_proxy_tensors is not None or not forward_batch.forward_mode.is_decode()
+            or input_ids.shape[0] == 0 or getattr(forward_batch, "can_run_tbo", False)):
+        return original(model, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors, **kw)
+    from sglang.srt.model_executor.forward_context import get_attn_backend
+
+    backend = get_attn_backend()
+    plan = model.__dict__.get(_PLAN)
+    if plan is None or (not isinstance(plan, str) and _kv_moved(plan, backend.token_to_kv_pool, model)):
+        plan = model.__dict__[_PLAN] = _build(model, forward_batch)
+    if isinstance(plan, str):
+        _log_once(f"decode steps keep SGLang's layer loop: {plan}")
+        return original(model, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors)
+    reason = _step_reason(plan, int(input_ids.shape[0]), positions, forward_batch, backend)
+    if reason is not None:
+        _log_once(f"this decode batch keeps SGLang's layer loop: {reason}")
+        return original(model, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors)
+    from . import batch
+    from .experts import get_registry
+
+    _log_once(f"decode steps in one kernel call ({plan.stack.num_layers} layers and the final norm)")
+    x = model.embed_tokens(input_ids).contiguous()
+    slots = batch.slots_for(x.shape[0], get_registry().default_slot)
+    return plan.stack.forward(x, positions, backend.req_to_token_pool.req_to_token, backend._idx, backend._lens,
+                              forward_batch.out_cache_loc, slots)
