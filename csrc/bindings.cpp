@@ -1,9 +1,12 @@
 // Python bindings. Tensors cross as raw addresses (torch's data_ptr()): the extension never links libtorch,
 // so one build serves every torch version. kt_serve/kernel.py validates dtypes, shapes and contiguity first.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "decode_attention.h"
 #include "decode_stack.h"
@@ -243,15 +246,36 @@ PYBIND11_MODULE(_kernel, m) {
            },
            // the stack holds raw pointers to these: they live as long as it does
            py::keep_alive<1, 4>(), py::keep_alive<1, 20>(), py::keep_alive<1, 24>(), py::keep_alive<1, 25>())
+      .def("set_lora",
+           [](kt::DecodeStack& s, int i, uintptr_t qkv_a, int qkv_a_rows, uintptr_t qkv_b, int64_t qkv_b_rows,
+              int qkv_max_rank, int qkv_adapters, const std::vector<int32_t>& qkv_off, uintptr_t o_a, int o_a_rows,
+              uintptr_t o_b, int64_t o_b_rows, int o_max_rank, int o_adapters, const std::vector<int32_t>& o_off) {
+             auto lora = [](uintptr_t a, int a_rows, uintptr_t b, int64_t b_rows, int max_rank, int adapters,
+                            const std::vector<int32_t>& off) {
+               kt::DenseLoRA l{ptr<const bf16>(a), a_rows, ptr<const bf16>(b), b_rows, max_rank, adapters,
+                               static_cast<int>(off.size()) - 1, {}};
+               if (off.size() < 2 || off.size() > 4)
+                 throw std::invalid_argument("DecodeStack.set_lora: 1 to 3 LoRA slices");
+               std::copy(off.begin(), off.end(), l.off);
+               return l;
+             };
+             s.set_lora(i, lora(qkv_a, qkv_a_rows, qkv_b, qkv_b_rows, qkv_max_rank, qkv_adapters, qkv_off),
+                        lora(o_a, o_a_rows, o_b, o_b_rows, o_max_rank, o_adapters, o_off));
+           })
       .def_property_readonly("num_layers", &kt::DecodeStack::num_layers)
       .def("forward",
            [](const kt::DecodeStack& s, int B, uintptr_t x, uintptr_t positions, uintptr_t req_to_token,
               int64_t req_rows, int64_t ld_req, uintptr_t req_pool_indices, uintptr_t seq_lens, uintptr_t cache_loc, uintptr_t slots,
-              int uniform_slot) {
+              int uniform_slot, int lora_segments, int lora_adapters, uintptr_t seg_lens, uintptr_t weight_indices,
+              uintptr_t ranks, uintptr_t scalings) {
+             const kt::LoRASegments lora{lora_segments, lora_adapters, ptr<const int32_t>(seg_lens),
+                                         ptr<const int32_t>(weight_indices), ptr<const int32_t>(ranks),
+                                         ptr<const float>(scalings)};
              py::gil_scoped_release nogil;
              s.forward(B, ptr<bf16>(x), ptr<const int64_t>(positions), ptr<const int32_t>(req_to_token), req_rows, ld_req,
                        ptr<const int64_t>(req_pool_indices), ptr<const int64_t>(seq_lens),
-                       ptr<const int64_t>(cache_loc), ptr<const int32_t>(slots), uniform_slot);
+                       ptr<const int64_t>(cache_loc), ptr<const int32_t>(slots), uniform_slot,
+                       seg_lens ? &lora : nullptr);
            },
            "A Qwen3-MoE decoder stack's decode step in one call (csrc/decode_stack.h).");
   m.def("set_num_threads", &kt::set_num_threads, py::arg("n"),

@@ -1,5 +1,6 @@
 #include "decode_stack.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -11,7 +12,18 @@
 namespace kt {
 
 namespace {
-thread_local Buffer<bf16> tl_h, tl_residual, tl_qkv, tl_attn, tl_out;
+thread_local Buffer<bf16> tl_h, tl_residual, tl_qkv, tl_attn, tl_out, tl_shrunk;
+
+// y (rows ldy apart, the projection's bf16 output) += its LoRA for x [B][K], as SGLang's LoRA wrapper adds it.
+void add_lora(const Kernels& k, const DenseLoRA& l, const LoRASegments& segs, int B, int K, const bf16* x,
+              int64_t ldx, bf16* y, int64_t ldy) {
+  if (!l.a) return;
+  LoRASegments s = segs;
+  s.adapters = std::min(s.adapters, l.adapters);
+  bf16* shrunk = tl_shrunk.get(static_cast<size_t>(B) * l.a_rows);
+  lora_shrink(k, s, B, K, x, ldx, l.a, l.a_rows, l.slices, shrunk, l.a_rows);
+  lora_expand(k, s, B, shrunk, l.a_rows, l.b, l.b_rows, l.max_rank, l.off, l.slices, y, ldy);
+}
 
 void expect(bool ok, const char* what, int layer) {
   if (!ok) throw std::invalid_argument("DecodeStack layer " + std::to_string(layer) + ": " + what);
@@ -45,9 +57,27 @@ void DecodeStack::add_layer(const DecoderLayer& l) {
   layers_.push_back(l);
 }
 
+void DecodeStack::set_lora(int i, const DenseLoRA& qkv, const DenseLoRA& o) {
+  expect(i >= 0 && i < num_layers(), "no such layer", i);
+  const int64_t n_qkv = static_cast<int64_t>(Hq_ + 2 * Hkv_) * D_;
+  for (const DenseLoRA* l : {&qkv, &o}) {
+    if (!l->a) continue;
+    const bool is_qkv = l == &qkv;
+    expect(l->b && l->slices == (is_qkv ? 3 : 1) && l->max_rank > 0 && l->a_rows == l->slices * l->max_rank &&
+               l->adapters > 0 && l->off[0] == 0,
+           "LoRA buffers: A must hold slices x max_rank rows per adapter", i);
+    for (int j = 0; j < l->slices; ++j) expect(l->off[j + 1] >= l->off[j], "LoRA slice offsets must rise", i);
+    expect(l->off[l->slices] == (is_qkv ? n_qkv : H_) && l->b_rows >= l->off[l->slices],
+           "LoRA B rows must cover the projection's output", i);
+  }
+  layers_[i].qkv_lora = qkv;
+  layers_[i].o_lora = o;
+}
+
 void DecodeStack::forward(int B, bf16* x, const int64_t* positions, const int32_t* req_to_token, int64_t req_rows,
                           int64_t ld_req, const int64_t* req_pool_indices, const int64_t* seq_lens,
-                          const int64_t* cache_loc, const int32_t* slots, int uniform_slot) const {
+                          const int64_t* cache_loc, const int32_t* slots, int uniform_slot,
+                          const LoRASegments* lora) const {
   if (B <= 0) return;
   for (int b = 0; b < B; ++b)
     if (req_pool_indices[b] < 0 || req_pool_indices[b] >= req_rows || seq_lens[b] < 0 || seq_lens[b] > ld_req)
@@ -67,6 +97,7 @@ void DecodeStack::forward(int B, bf16* x, const int64_t* positions, const int32_
     rms_norm(B, H_, layer_out, i ? residual : nullptr, H_, l.input_norm, l.input_eps, h, i ? residual : nullptr);
     if (!i) std::copy(x, x + rows, residual);
     l.qkv->forward(B, h, H_, l.qkv_bias, qkv, n_qkv, false);
+    if (lora) add_lora(k_, l.qkv_lora, *lora, B, H_, h, H_, qkv, n_qkv);
     bf16* q = qkv;
     bf16* k = qkv + n_q;
     rms_norm_heads(B, Hq_, D_, q, n_qkv, l.q_norm, l.q_eps);
@@ -77,6 +108,7 @@ void DecodeStack::forward(int B, bf16* x, const int64_t* positions, const int32_
     const NewKV fresh{k, n_qkv, k + static_cast<int64_t>(Hkv_) * D_, n_qkv, cache_loc};
     decode_attention(B, Hq_, Hkv_, D_, D_, q, n_qkv, kv, &fresh, req_pool_indices, seq_lens, l.scale, attn, n_q, k_);
     l.o_proj->forward(B, attn, n_q, l.o_bias, out, H_, false);
+    if (lora) add_lora(k_, l.o_lora, *lora, B, n_q, attn, n_q, out, H_);
     rms_norm(B, H_, out, residual, H_, l.post_norm, l.post_eps, h, residual);
     route_and_forward(*l.gate, *l.experts, B, l.top_k, l.renormalize, h, slots, uniform_slot, out);
     layer_out = out;

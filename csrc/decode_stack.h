@@ -12,9 +12,23 @@
 #include "decode_attention.h"
 #include "dense_linear.h"
 #include "kernels.h"
+#include "lora_segments.h"
 #include "moe_lora.h"
 
 namespace kt {
+
+// A projection's LoRA in SGLang's memory-pool layout (lora_segments.h): A [adapters][a_rows][in] (slices stacked,
+// max_rank rows each), B [adapters][b_rows][max_rank]; output columns of slice i are [off[i], off[i+1]).
+struct DenseLoRA {
+  const bf16* a = nullptr;  // null: no LoRA on this projection
+  int a_rows = 0;
+  const bf16* b = nullptr;
+  int64_t b_rows = 0;
+  int max_rank = 0;
+  int adapters = 0;
+  int slices = 0;
+  int32_t off[4] = {};
+};
 
 // One decoder layer's weights and KV cache. Norm weights bf16 [H] (q / k norms [D]); biases fp32 or null.
 struct DecoderLayer {
@@ -44,6 +58,7 @@ struct DecoderLayer {
   MoELoRA* experts;
   int top_k;
   bool renormalize;
+  DenseLoRA qkv_lora = {}, o_lora = {};  // set_lora
 };
 
 class DecodeStack {
@@ -51,15 +66,18 @@ class DecodeStack {
   // H hidden size; Hq / Hkv query and KV heads of D values; final_norm bf16 [H].
   DecodeStack(int H, int Hq, int Hkv, int D, const bf16* final_norm, float final_eps, const Kernels& k);
   void add_layer(const DecoderLayer& layer);  // checks its shapes against the stack's
+  // Layer i's q/k/v (3 slices) and o (1 slice) LoRA buffers, applied where forward gets LoRA segments.
+  void set_lora(int i, const DenseLoRA& qkv, const DenseLoRA& o);
   int num_layers() const { return static_cast<int>(layers_.size()); }
 
   // x: bf16 [B][H] token embeddings in, the final norm's output written over them. positions, req_pool_indices,
   // seq_lens (including this step's token), cache_loc: int64 [B]; req_to_token int32 [req_rows] rows ld_req apart
   // (a request index or length outside it throws before anything is written). slots:
-  // int32 [B] expert-LoRA slot per request, or null for uniform_slot everywhere (-1: none).
+  // int32 [B] expert-LoRA slot per request, or null for uniform_slot everywhere (-1: none). lora: the batch's
+  // segments for the layers' q/k/v and o LoRA (SGLang's LoRA batch), or null.
   void forward(int B, bf16* x, const int64_t* positions, const int32_t* req_to_token, int64_t req_rows, int64_t ld_req,
                const int64_t* req_pool_indices, const int64_t* seq_lens, const int64_t* cache_loc,
-               const int32_t* slots, int uniform_slot) const;
+               const int32_t* slots, int uniform_slot, const LoRASegments* lora) const;
 
  private:
   int H_, Hq_, Hkv_, D_;

@@ -18,6 +18,7 @@ import torch
 from kt_serve import _kernel
 from kt_serve.dense import PackedLinear
 from kt_serve.kernel import MoEExperts
+from kt_serve.segmented_lora import segment_args
 
 __all__ = ["DecodeStack"]
 
@@ -88,13 +89,38 @@ class DecodeStack:
         self._experts = getattr(self, "_experts", []) + [experts]
         self._max_tokens = min(self._max_tokens or experts.max_tokens, experts.max_tokens)
 
+    def set_lora(self, layer: int, *, qkv=None, o=None) -> None:
+        """SGLang's LoRA buffers of layer ``layer``'s projections, each ``(A, B, slice_offsets)`` or None: A bf16
+        [adapters, slices · max_rank, in] (q/k/v: 3 slices, o: 1), B bf16 [adapters, out, max_rank], offsets the
+        slices' output columns (SGLang's ``output_offset_cpu``). :meth:`forward` applies them with its ``lora``."""
+        args = []
+        for name, lora, width in (("qkv", qkv, (self.q_heads + 2 * self.kv_heads) * self.head_dim),
+                                  ("o", o, self.hidden)):
+            if lora is None:
+                args += [0, 0, 0, 0, 0, 0, [0, width]]
+                continue
+            a, b, offsets = lora
+            for part, t in (("A", a), ("B", b)):
+                if (not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or t.device.type != "cpu"
+                        or t.dim() != 3 or not t.is_contiguous()):
+                    raise ValueError(f"layer {layer} {name} LoRA {part} must be a contiguous CPU bf16 tensor "
+                                     f"[adapters, rows, cols], got {getattr(t, 'dtype', type(t).__name__)}")
+            if a.shape[0] != b.shape[0]:
+                raise ValueError(f"layer {layer} {name} LoRA: A holds {a.shape[0]} adapters, B {b.shape[0]}")
+            offsets = [int(v) for v in offsets]
+            args += [a.data_ptr(), a.shape[1], b.data_ptr(), b.shape[1], b.shape[2], a.shape[0], offsets]
+            self._tensors += [a, b]
+        self._k.set_lora(int(layer), *args)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, req_to_token: torch.Tensor,
                 req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, cache_loc: torch.Tensor,
-                slots: Union[None, int, torch.Tensor] = None) -> torch.Tensor:
+                slots: Union[None, int, torch.Tensor] = None, lora=None) -> torch.Tensor:
         """A decode step of B requests, one token each. x: bf16 [B, hidden] embeddings, overwritten by (and
         returned as) the final norm's output. positions, req_pool_indices, seq_lens (this step's token included),
         cache_loc (where this step's K and V go): int64 [B], contiguous; req_to_token int32 [requests, context].
-        slots: expert-LoRA slot for every request (int, -1 none) or int32 [B]."""
+        slots: expert-LoRA slot for every request (int, -1 none) or int32 [B]. lora: the segments of SGLang's LoRA
+        batch for the layers' :meth:`set_lora` buffers, ``(seg_lens, weight_indices, ranks, scalings)`` (int32,
+        int32, int32 per adapter, fp32 per adapter), or None for no dense LoRA."""
         B = int(x.shape[0]) if isinstance(x, torch.Tensor) and x.dim() == 2 else -1
         if (B < 0 or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[1] != self.hidden
                 or not x.is_contiguous()):
@@ -111,6 +137,7 @@ class DecodeStack:
         if B == 0:
             return x
         slots_ptr, uniform = self._experts[0]._slots_arg(slots, B) if self.num_layers else (0, -1)
+        segments = (0, 0, 0, 0, 0, 0) if lora is None else segment_args(*lora, adapters=lora[2].numel())
         self._k.forward(B, x.data_ptr(), positions.data_ptr(), req_to_token.data_ptr(), req_to_token.shape[0],
-                        req_to_token.shape[1], req_pool_indices.data_ptr(), seq_lens.data_ptr(), cache_loc.data_ptr(), slots_ptr, uniform)
+                        req_to_token.shape[1], req_pool_indices.data_ptr(), seq_lens.data_ptr(), cache_loc.data_ptr(), slots_ptr, uniform, *segments)
         return x

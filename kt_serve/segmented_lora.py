@@ -16,7 +16,7 @@ from kt_serve import _kernel
 __all__ = ["lora_expand", "lora_shrink"]
 
 
-def _segments(seg_lens, weight_indices, ranks, scalings, adapters: int) -> tuple:
+def segment_args(seg_lens, weight_indices, ranks, scalings, adapters: int) -> tuple:
     """The kernel's segment arguments; their values (sums, index ranges, ranks) are checked in C++."""
     for name, t, dtype in (("seg_lens", seg_lens, torch.int32), ("weight_indices", weight_indices, torch.int32),
                            ("ranks", ranks, torch.int32), ("scalings", scalings, torch.float32)):
@@ -51,7 +51,7 @@ def lora_shrink(x: torch.Tensor, weights: torch.Tensor, seg_lens, weight_indices
     A, w_rows, K = weights.shape
     _rows(x, "x", K)
     T = x.shape[0]
-    seg = _segments(seg_lens, weight_indices, ranks, scalings, A)
+    seg = segment_args(seg_lens, weight_indices, ranks, scalings, A)
     out = torch.empty(T, w_rows, dtype=torch.bfloat16)
     if T:
         _kernel.lora_shrink(*seg, T, K, x.data_ptr(), x.stride(0), weights.data_ptr(), w_rows, int(num_slices),
@@ -83,7 +83,7 @@ def lora_expand(a: torch.Tensor, weights: torch.Tensor, seg_lens, weight_indices
     _rows(out, "out", width)
     if out.shape[0] != T:
         raise ValueError(f"out has {out.shape[0]} rows for {T} tokens")
-    seg = _segments(seg_lens, weight_indices, ranks, None, A)
+    seg = segment_args(seg_lens, weight_indices, ranks, None, A)
     if T:
         _kernel.lora_expand(*seg[:5], T, a.data_ptr(), a.stride(0), weights.data_ptr(), rows, max_rank,
                             off.data_ptr(), slices, out.data_ptr(), out.stride(0), isa)

@@ -68,9 +68,23 @@ def make_layer(g):
         lora=[w(*s, scale=0.3) for s in lora_shapes])
 
 
+def dense_lora(x, lora, adapter, ranks, scalings):
+    """fp32 LoRA of one projection in SGLang's buffer layout for rows x, row t using adapter[t] (-1: none)."""
+    a, b, off = lora
+    out = torch.zeros(x.shape[0], off[-1])
+    for t, ad in enumerate(adapter.tolist()):
+        r = int(ranks[ad]) if ad >= 0 else 0
+        for s in range(len(off) - 1):
+            if r:
+                shrunk = scalings[ad] * (x[t] @ a[ad, s * r:(s + 1) * r].float().T)  # slices of r rows each
+                out[t, off[s]:off[s + 1]] = shrunk @ b[ad, off[s]:off[s + 1], :r].float().T
+    return out
+
+
 def reference(layers, final_norm, x, positions, k_cache, v_cache, req_to_token, idx, lens, loc, slots, cache,
-              rotary_dim, neox):
-    """fp32: the final hidden rows, each layer's new K and V rows, and the smallest top-k routing margin."""
+              rotary_dim, neox, dense=None):
+    """fp32: the final hidden rows, each layer's new K and V rows, and the smallest top-k routing margin. dense:
+    (per layer {"qkv": (A, B, offsets), "o": ...}, adapter per request, ranks, scalings) for the dense LoRA."""
     k_cache, v_cache = k_cache.clone().float(), v_cache.clone().float()  # [layers, slots, Hkv, D]
     residual, hidden = x.float(), None
     new_kv, margin = [], math.inf
@@ -80,6 +94,8 @@ def reference(layers, final_norm, x, positions, k_cache, v_cache, req_to_token, 
             residual = residual + hidden
         h = rms(residual, L["input_norm"])
         qkv = h @ L["qkv"].float().T
+        if dense is not None:
+            qkv = qkv + dense_lora(h, dense[0][li]["qkv"], *dense[1:])
         q = qkv[:, :HQ * D].reshape(-1, HQ, D)
         k = qkv[:, HQ * D:(HQ + HKV) * D].reshape(-1, HKV, D)
         v = qkv[:, (HQ + HKV) * D:].reshape(-1, HKV, D)
@@ -95,7 +111,10 @@ def reference(layers, final_norm, x, positions, k_cache, v_cache, req_to_token, 
             V = v_cache[li, s].repeat_interleave(HQ // HKV, dim=1)
             p = (torch.einsum("hd,nhd->hn", q[b], K) * scale).softmax(-1)
             attn[b] = torch.einsum("hn,nhd->hd", p, V)
-        residual = residual + attn.reshape(len(q), -1) @ L["o"].float().T
+        o = attn.reshape(len(q), -1) @ L["o"].float().T
+        if dense is not None:
+            o = o + dense_lora(attn.reshape(len(q), -1), dense[0][li]["o"], *dense[1:])
+        residual = residual + o
         h = rms(residual, L["post_norm"])
         logits = h @ L["router"].float().T
         top = logits.topk(TOP_K + 1, dim=-1)
@@ -217,3 +236,51 @@ def test_a_layer_of_other_shapes_is_refused_naming_the_part():
         stack.add_layer(qkv=PackedLinear(L["qkv"]), **{**args, "k_cache": torch.zeros(8, HKV, D + 1).bfloat16()})
     stack.add_layer(qkv=PackedLinear(L["qkv"]), **args)
     assert stack.num_layers == 1
+
+
+def test_dense_lora_of_sglangs_segments_on_qkv_and_o():
+    """SGLang's LoRA batch (segments of requests sharing an adapter, per-adapter rank and scaling, q/k/v as three
+    slices of one buffer) applied to each layer's projections inside the step, as its LoRA wrappers add it."""
+    g = torch.Generator().manual_seed(23)
+    layers = [make_layer(g) for _ in range(2)]
+    final_norm = (1 + 0.1 * torch.randn(H, generator=g)).bfloat16()
+    cache = rope_cache(64, D)
+    lengths = [5, 9, 12, 3, 7]
+    k_cache, v_cache, req_to_token, idx, lens, loc, positions = batch(g, lengths)
+    x = torch.randn(len(lengths), H, generator=g).bfloat16()
+    max_rank, adapters = 8, 3
+    qkv_off = [0, HQ * D, (HQ + HKV) * D, (HQ + 2 * HKV) * D]
+
+    def buffers(slices, k, n):
+        return ((torch.randn(adapters, slices * max_rank, k, generator=g) * 0.3).bfloat16(),
+                (torch.randn(adapters, n, max_rank, generator=g) * 0.3).bfloat16())
+    per_layer = [{"qkv": (*buffers(3, H, qkv_off[-1]), qkv_off), "o": (*buffers(1, HQ * D, H), [0, H])}
+                 for _ in layers]
+    # segments: requests 0-1 adapter 2 (rank 8), request 2 adapter 0 (rank 0: none), 3-4 adapter 1 (rank 4)
+    seg_lens = torch.tensor([2, 1, 2], dtype=torch.int32)
+    weight_indices = torch.tensor([2, 0, 1], dtype=torch.int32)
+    ranks = torch.tensor([0, 4, 8], dtype=torch.int32)
+    scalings = torch.tensor([1.0, 2.0, 0.5])
+    adapter = torch.tensor([2, 2, 0, 1, 1])
+    ref, _, margin = reference(layers, final_norm, x, positions, k_cache, v_cache, req_to_token, idx, lens, loc,
+                               torch.full((5,), -1, dtype=torch.int32), cache, D, True,
+                               dense=(per_layer, adapter, ranks, scalings))
+    plain, _, margin_plain = reference(layers, final_norm, x, positions, k_cache, v_cache, req_to_token, idx, lens,
+                                       loc, torch.full((5,), -1, dtype=torch.int32), cache, D, True)
+    assert min(margin, margin_plain) > 0.05, "the test's premise: no routing near-tie"
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    stack = build(layers, final_norm, k_cache, v_cache, cache, D, True, "auto")
+    for li, lo in enumerate(per_layer):
+        stack.set_lora(li, qkv=lo["qkv"], o=lo["o"])
+    out = stack.forward(x.clone(), positions, req_to_token, idx, lens, loc, -1,
+                        (seg_lens, weight_indices, ranks, scalings))
+    assert rel_l2(out, ref) < 1e-2
+    with_lora = adapter != 0
+    assert rel_l2(plain[with_lora], ref[with_lora]) > 0.1  # the LoRA moves the adapted requests well past it
+    k_cache.copy_(before_k), v_cache.copy_(before_v)
+    out_plain = stack.forward(x.clone(), positions, req_to_token, idx, lens, loc, -1)  # no segments: no LoRA
+    assert rel_l2(out_plain, plain) < 1e-2
+    with pytest.raises(ValueError, match="layer 0 o LoRA: A holds 3 adapters, B 2"):
+        stack.set_lora(0, o=(per_layer[0]["o"][0], per_layer[0]["o"][1][:2], [0, H]))
+    with pytest.raises(ValueError, match="LoRA B rows must cover the projection's output"):
+        stack.set_lora(0, o=(per_layer[0]["o"][0], per_layer[0]["o"][1], [0, H - 1]))

@@ -12,8 +12,10 @@ The stack is worked out once per model (and again if SGLang reallocates the KV p
 SGLang's loop, with the reason logged once: a model other than Qwen3-MoE, pipeline or tensor parallelism, layers
 not packed (AMX hosts keep SGLang's own kernels), another attention backend or KV pool, aux hidden-state capture,
 or a block the MoE fast path refuses (moe_block.py). Per step, prefill / extend / idle batches, input embeddings,
-two-batch overlap, routed-expert capture, padded rows, router LoRA and requests whose adapter has LoRA on the
-layers' dense projections (SGLang's LoRA wrappers apply it) keep the loop too; expert LoRA runs in the stack.
+two-batch overlap, routed-expert capture, padded rows and router LoRA keep the loop too. Expert LoRA runs in the
+stack (the kernel's slots), and so does the LoRA SGLang's wrappers add to q/k/v and o: the stack reads their
+buffers in SGLang's LoRA memory pool and the batch's segments from its torch_native backend (as cpu_lora.py does);
+an adapter with LoRA on other layer modules keeps the loop.
 """
 
 from __future__ import annotations
@@ -35,11 +37,43 @@ def _log_once(message: str) -> None:
 
 
 class _Stack:
-    __slots__ = ("stack", "caches", "gate_keys", "lora_wrapped", "max_tokens")
+    __slots__ = ("stack", "buffers", "gate_keys", "max_tokens", "lora_backend", "lora_reason")
 
-    def __init__(self, stack, caches, gate_keys, lora_wrapped: bool, max_tokens: int):
-        self.stack, self.caches, self.gate_keys = stack, caches, gate_keys
-        self.lora_wrapped, self.max_tokens = lora_wrapped, max_tokens
+    def __init__(self, stack, buffers, gate_keys, max_tokens: int, lora_backend, lora_reason):
+        self.stack, self.buffers, self.gate_keys, self.max_tokens = stack, buffers, gate_keys, max_tokens
+        # SGLang's LoRA backend of the layers' wrapped projections (None: none wrapped), or why the stack cannot
+        # apply their LoRA
+        self.lora_backend, self.lora_reason = lora_backend, lora_reason
+
+
+_LORA_BUFFERS = {"qkv_proj": ("A_buffer_qkv", "B_buffer_qkv"), "o_proj": ("A_buffer", "B_buffer")}
+
+
+def _layer_lora(i: int, layer, attn):
+    """(the stack's set_lora arguments, [(module, attribute, tensor)] it reads, SGLang's LoRA backend or None, or
+    why the stack cannot apply this layer's LoRA)."""
+    from sglang.srt.lora.layers import BaseLayerWithLoRA
+
+    wrapped = [m for m in layer.modules() if isinstance(m, BaseLayerWithLoRA)]
+    if not wrapped:
+        return {}, [], None, None
+    named = {name: getattr(attn, name) for name in _LORA_BUFFERS}
+    for m in wrapped:
+        if not any(m is w for w in named.values()):
+            return {}, [], None, f"layer {i}'s {type(m).__name__} (SGLang's LoRA outside q/k/v and o)"
+    args, buffers, backend = {}, [], wrapped[0].lora_backend
+    for name, module in named.items():
+        if not isinstance(module, BaseLayerWithLoRA):
+            continue
+        a_attr, b_attr = _LORA_BUFFERS[name]
+        a, b = getattr(module, a_attr, None), getattr(module, b_attr, None)
+        info = getattr(module.lora_backend, "batch_info", None)
+        if (not module.set_lora or not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor)
+                or module.lora_backend is not backend or not hasattr(type(info), "seg_lens_cpu")):
+            return {}, [], None, f"layer {i}'s {name} LoRA is not SGLang's torch_native segmented LoRA"
+        args[name.removesuffix("_proj")] = (a, b, module.output_offset_cpu.tolist())
+        buffers += [(module, a_attr, a), (module, b_attr, b)]
+    return args, buffers, backend, None
 
 
 def _packed(module):
@@ -72,7 +106,7 @@ def _build(model, forward_batch):
     pool, H = backend.token_to_kv_pool, model.config.hidden_size
     if not _plain_norm(model.norm, H):
         return "a final norm other than a plain bf16 RMSNorm"
-    stack, caches, gate_keys, wrapped, max_tokens = None, [], [], False, None
+    stack, buffers, gate_keys, max_tokens, lora_backend, lora_reason = None, [], [], None, None, None
     for i, layer in enumerate(model.layers):
         attn, radix = getattr(layer, "self_attn", None), getattr(getattr(layer, "self_attn", None), "attn", None)
         if type(layer) is not Qwen3MoeDecoderLayer or type(attn) is not Qwen3MoeAttention:
@@ -107,19 +141,23 @@ def _build(model, forward_batch):
                         scale=radix.scaling, o_proj=o, post_norm=layer.post_attention_layernorm.weight.data,
                         post_eps=layer.post_attention_layernorm.variance_epsilon, gate=moe.gate, experts=moe.experts,
                         top_k=moe.top_k, renormalize=moe.renormalize)
-        caches += [k_cache, v_cache]
+        buffers += [(pool, ("get_key_buffer", radix.layer_id), k_cache),
+                    (pool, ("get_value_buffer", radix.layer_id), v_cache)]
+        lora, lora_buffers, layer_backend, reason = _layer_lora(i, layer, attn)
+        if lora:
+            stack.set_lora(i, **lora)
+        buffers += lora_buffers
+        lora_backend, lora_reason = lora_backend or layer_backend, lora_reason or reason
         gate_keys.append(moe.gate_key)
-        wrapped = wrapped or any(hasattr(m, "set_lora") for m in (attn.qkv_proj, attn.o_proj))
         max_tokens = min(max_tokens or moe.experts.max_tokens, moe.experts.max_tokens)
-    return _Stack(stack, caches, tuple(gate_keys), wrapped, max_tokens)
+    return _Stack(stack, buffers, tuple(gate_keys), max_tokens, lora_backend, lora_reason)
 
 
-def _kv_moved(plan: _Stack, pool, model) -> bool:
-    """Whether SGLang has replaced a layer's KV buffer since the stack took its address."""
-    for i, layer in enumerate(model.layers):
-        lid = layer.self_attn.attn.layer_id
-        if (pool.get_key_buffer(lid).data_ptr() != plan.caches[2 * i].data_ptr()
-                or pool.get_value_buffer(lid).data_ptr() != plan.caches[2 * i + 1].data_ptr()):
+def _moved(plan: _Stack) -> bool:
+    """Whether SGLang has replaced a KV cache or LoRA buffer since the stack took its address."""
+    for owner, attr, tensor in plan.buffers:
+        now = getattr(owner, attr[0])(attr[1]) if isinstance(attr, tuple) else getattr(owner, attr, None)
+        if now is not tensor and (not isinstance(now, torch.Tensor) or now.data_ptr() != tensor.data_ptr()):
             return True
     return False
 
@@ -137,12 +175,23 @@ def _step_reason(plan: _Stack, B: int, positions, forward_batch, backend) -> str
     if (loc.dtype != torch.int64 or loc.shape != (B,) or not loc.is_contiguous() or positions.dtype != torch.int64
             or positions.shape != (B,) or not positions.is_contiguous()):
         return "cache locations or positions that are not int64 [batch]"
-    reason = batch_reason(B) or router_lora_reason(plan.gate_keys)
-    if reason is None and plan.lora_wrapped:
-        current = batch.current()
-        if current is not None and current.layer_lora:
-            return "adapters with LoRA on the decoder layers' dense projections (SGLang's LoRA)"
-    return reason
+    return batch_reason(B) or router_lora_reason(plan.gate_keys)
+
+
+def _lora_segments(plan: _Stack):
+    """(SGLang's LoRA segments for the stack, or None when no request's adapter has LoRA in the layers; why the
+    stack cannot apply it, or None)."""
+    from . import batch
+
+    current = batch.current()
+    if plan.lora_backend is None or current is None or not current.layer_lora:
+        return None, None
+    if plan.lora_reason is not None:
+        return None, plan.lora_reason
+    info = plan.lora_backend.get_batch_info()
+    if info is None or info.use_cuda_graph or info.seg_lens_cpu is None:
+        return None, "a LoRA batch without its CPU segments"
+    return (info.seg_lens_cpu, info.weight_indices_cpu, info.lora_ranks_cpu, info.scalings_cpu), None
 
 
 def forward(original, model, input_ids, positions, forward_batch, input_embeds=None, pp_proxy_tensors=None, **kw):
@@ -154,12 +203,15 @@ def forward(original, model, input_ids, positions, forward_batch, input_embeds=N
 
     backend = get_attn_backend()
     plan = model.__dict__.get(_PLAN)
-    if plan is None or (not isinstance(plan, str) and _kv_moved(plan, backend.token_to_kv_pool, model)):
+    if plan is None or (not isinstance(plan, str) and _moved(plan)):
         plan = model.__dict__[_PLAN] = _build(model, forward_batch)
     if isinstance(plan, str):
         _log_once(f"decode steps keep SGLang's layer loop: {plan}")
         return original(model, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors)
     reason = _step_reason(plan, int(input_ids.shape[0]), positions, forward_batch, backend)
+    lora = None
+    if reason is None:
+        lora, reason = _lora_segments(plan)
     if reason is not None:
         _log_once(f"this decode batch keeps SGLang's layer loop: {reason}")
         return original(model, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors)
@@ -167,7 +219,10 @@ def forward(original, model, input_ids, positions, forward_batch, input_embeds=N
     from .experts import get_registry
 
     _log_once(f"decode steps in one kernel call ({plan.stack.num_layers} layers and the final norm)")
+    if lora is not None:
+        _log_once("decode steps apply SGLang's q/k/v and o LoRA inside that call (segmented, as its torch_native "
+                  "backend)")
     x = model.embed_tokens(input_ids).contiguous()
     slots = batch.slots_for(x.shape[0], get_registry().default_slot)
     return plan.stack.forward(x, positions, backend.req_to_token_pool.req_to_token, backend._idx, backend._lens,
-                              forward_batch.out_cache_loc, slots)
+                              forward_batch.out_cache_loc, slots, lora)
