@@ -52,6 +52,7 @@ _LORA_BUFFERS = {"qkv_proj": ("A_buffer_qkv", "B_buffer_qkv"), "o_proj": ("A_buf
 def _layer_lora(i: int, layer, attn):
     """(the stack's set_lora arguments, [(module, attribute, tensor)] it reads, SGLang's LoRA backend or None, or
     why the stack cannot apply this layer's LoRA)."""
+    from sglang.srt.lora.backend.torch_backend import TorchNativeLoRABackend
     from sglang.srt.lora.layers import BaseLayerWithLoRA
 
     wrapped = [m for m in layer.modules() if isinstance(m, BaseLayerWithLoRA)]
@@ -67,9 +68,8 @@ def _layer_lora(i: int, layer, attn):
             continue
         a_attr, b_attr = _LORA_BUFFERS[name]
         a, b = getattr(module, a_attr, None), getattr(module, b_attr, None)
-        info = getattr(module.lora_backend, "batch_info", None)
         if (not module.set_lora or not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor)
-                or module.lora_backend is not backend or not hasattr(type(info), "seg_lens_cpu")):
+                or module.lora_backend is not backend or not isinstance(backend, TorchNativeLoRABackend)):
             return {}, [], None, f"layer {i}'s {name} LoRA is not SGLang's torch_native segmented LoRA"
         args[name.removesuffix("_proj")] = (a, b, module.output_offset_cpu.tolist())
         buffers += [(module, a_attr, a), (module, b_attr, b)]
