@@ -25,6 +25,7 @@ after row, --repeats times, the median run kept, so a slow drift of the machine 
   kt expert     ... with --kt-expert-lora-path (every request gets the expert LoRA)
   kt mixed      ... --enable-lora with two composite adapters; requests cycle base / :a / :b
   kt int8 / kt int4 / kt fp8   "kt base" with --kt-expert-dtype int8 / int4 / fp8 (experts quantized at load)
+  kt int8 dense int8 / kt int4 dense int8 / kt int4 dense int4   ... and --kt-dense-dtype (attention too)
   llama.cpp base / expert / mixed   llama-server (-t = the kernel's threads, -np = the most streams) on the same
                 weights as a BF16 GGUF and the same adapters as GGUF LoRAs (llama.cpp's own converters; the
                 composite ones through kt_serve.convert's merged PEFT adapter), chosen per request by the ``lora``
@@ -362,6 +363,8 @@ def main(argv=None):
         "kt expert": (["--kt-expert-lora-path", str(expert)], {}, [model]),
         "kt mixed": (lora + ["--lora-paths", f"a={comp_a}", f"b={comp_b}"], {}, [model, f"{model}:a", f"{model}:b"]),
         **{f"kt {fmt}": (["--kt-expert-dtype", fmt], {}, [model]) for fmt in ("int8", "int4", "fp8")},
+        **{f"kt {fmt} dense {dense}": (["--kt-expert-dtype", fmt, "--kt-dense-dtype", dense], {}, [model])
+           for fmt, dense in (("int8", "int8"), ("int4", "int8"), ("int4", "int4"))},
     }
     requests = {name: [{"model": m} for m in models] for name, (_, _, models) in rows.items()}
     # llama.cpp: adapters 0 (expert), 1 (a), 2 (b) loaded at scale 0; a request's lora field turns its own on

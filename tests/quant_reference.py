@@ -53,15 +53,21 @@ def ref_quantize(w, fmt, group=128):
     return {"int8": lambda: ref_int8(w), "int4": lambda: ref_int4(w, group), "fp8": lambda: ref_fp8(w, group)}[fmt]()
 
 
-def write_expert_quantized_reference(model_dir, out_dir, fmt: str, group: int = 128):
-    """fp32 copy of checkpoint ``model_dir`` whose routed expert weights are their ``fmt`` dequantized values."""
+def write_expert_quantized_reference(model_dir, out_dir, fmt: str, group: int = 128, dense_fmt: str = "bf16"):
+    """fp32 copy of checkpoint ``model_dir`` whose routed expert weights are their ``fmt`` dequantized values, and
+    its attention projections their ``dense_fmt`` ones (--kt-dense-dtype)."""
     from safetensors.torch import load_file, save_file
 
     if out_dir.exists():
         shutil.rmtree(out_dir)
     shutil.copytree(model_dir, out_dir)
     state = load_file(out_dir / "model.safetensors")
-    ref = {k: ref_quantize(v.float(), fmt, group) if ".mlp.experts." in k and k.endswith("_proj.weight")
-           else v.float() for k, v in state.items()}
+    def quantized(k, v):
+        if k.endswith("_proj.weight") and ".mlp.experts." in k:
+            return ref_quantize(v.float(), fmt, group)
+        if k.endswith("_proj.weight") and ".self_attn." in k:
+            return ref_quantize(v.float(), dense_fmt, group)
+        return v.float()
+    ref = {k: quantized(k, v) for k, v in state.items()}
     save_file(ref, out_dir / "model.safetensors", metadata={"format": "pt"})
     return out_dir

@@ -41,6 +41,18 @@ def test_config_round_trips_through_the_environment():
         KTServeConfig(moe="maybe")
 
 
+def test_dense_dtype_needs_the_packed_cpu_ops_and_a_known_format():
+    env = {}
+    KTServeConfig(dense_dtype="int4").export(env)
+    assert KTServeConfig.from_env(env).dense_dtype == "int4"
+    with pytest.raises(ValueError, match="--kt-dense-dtype int8 quantizes the linear layers --kt-cpu-ops packs"):
+        KTServeConfig(dense_dtype="int8", cpu_ops="off")
+    with pytest.raises(ValueError, match="--kt-dense-dtype int8 quantizes"):
+        KTServeConfig(dense_dtype="int8", moe="off")  # cpu_ops auto follows --kt-moe
+    with pytest.raises(ValueError, match=r"--kt-dense-dtype='fp8': expected bf16, int8, int4"):
+        KTServeConfig(dense_dtype="fp8")
+
+
 def test_torch_omp_spin_is_shortened_only_where_unset_and_kernel_on():
     env = {}
     KTServeConfig().export(env)

@@ -11,7 +11,7 @@ import os
 
 from kt_serve.kernel_weights import WEIGHT_FORMATS
 
-from .config import KTServeConfig
+from .config import DENSE_FORMATS, KTServeConfig
 from .cpu_compat import local_model_config, split_cores_between_ranks
 
 # (flag, dest, argparse kwargs); dest names equal KTServeConfig fields.
@@ -38,6 +38,11 @@ FLAGS = [
           help="kt_serve: on a CPU host, run the bf16 linear layers (attention, shared experts, router), lm_head, "
                "RMSNorm and (without AMX, as --attention-backend kt_cpu) decode attention on the kt_serve kernel "
                "('auto', default: with --kt-moe on)")),
+    ("--kt-dense-dtype", "dense_dtype",
+     dict(choices=list(DENSE_FORMATS), default="bf16",
+          help="kt_serve: with --kt-cpu-ops on a CPU host without AMX, quantize the packed linear layers (attention "
+               "projections, shared experts, dense MLPs; not the routers nor lm_head) at load: int8 per channel, "
+               "int4 per group of --kt-expert-group-size (default: bf16, as the checkpoint)")),
     ("--kt-lora-cache-dir", "lora_cache_dir",
      dict(default=None, help="kt_serve: where composite adapters are split (default: a per-user temp dir)")),
 ]
@@ -97,6 +102,7 @@ def from_cli_args_hook(server_args, *args, **kwargs):
     message = unsupported_architecture(getattr(server_args, "model_path", None))
     if config.enabled:
         message = message or unsupported_quantization(server_args)
+    message = message or unpacked_dense_layers(config)
     if message:
         raise SystemExit(message)
     config.export()
@@ -107,6 +113,21 @@ def from_cli_args_hook(server_args, *args, **kwargs):
         # as soon as the next request arrives.
         server_args.sleep_on_idle = True
     return server_args
+
+
+def unpacked_dense_layers(config) -> str | None:
+    """Why --kt-dense-dtype cannot be honoured on this host (the layers it quantizes are packed on CPU-only hosts
+    without AMX; elsewhere SGLang's own kernels run them in bf16), or None."""
+    if config.dense_dtype == "bf16":
+        return None
+    from sglang.srt.utils.common import cpu_has_amx_support
+
+    from .cpu_compat import cpu_only_host
+
+    if not cpu_only_host() or cpu_has_amx_support():
+        return (f"--kt-dense-dtype {config.dense_dtype}: the kt_serve kernel runs the linear layers on CPU-only hosts "
+                "without AMX; here SGLang's own kernels run them in bf16 (drop the flag)")
+    return None
 
 
 KERNEL_READS = ("the kt_serve kernel reads bf16 checkpoints and FP8 block-quantized ones (quant_method fp8 with "

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from kt_serve.cpu_threads import share_cores_with_torch
 
 ENV_PREFIX = "KT_SERVE_"
+DENSE_FORMATS = ("bf16", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class KTServeConfig:
     expert_group_size: int = 128
     # a CPU host's bf16 linear layers, lm_head and RMSNorm on the kt_serve kernel: auto (= on with --kt-moe on)
     cpu_ops: str = "auto"
+    # format of those linear layers once packed (not the routers nor lm_head): bf16, or int8 / int4 quantized at load
+    dense_dtype: str = "bf16"
 
     def __post_init__(self):
         if self.moe not in ("on", "off"):
@@ -46,6 +49,11 @@ class KTServeConfig:
             raise ValueError(f"--kt-expert-group-size={self.expert_group_size}: expected a positive multiple of 64")
         if self.cpu_ops not in ("auto", "on", "off"):
             raise ValueError(f"--kt-cpu-ops={self.cpu_ops!r}: expected auto, on or off")
+        if self.dense_dtype not in DENSE_FORMATS:
+            raise ValueError(f"--kt-dense-dtype={self.dense_dtype!r}: expected {', '.join(DENSE_FORMATS)}")
+        if self.dense_dtype != "bf16" and not self.cpu_ops_enabled:
+            raise ValueError(f"--kt-dense-dtype {self.dense_dtype} quantizes the linear layers --kt-cpu-ops packs; "
+                             "it needs --kt-cpu-ops on (or auto with --kt-moe on)")
         if self.moe == "off" and self.expert_lora_path:
             raise ValueError("--kt-expert-lora-path needs --kt-moe on (expert LoRA runs in the kt_serve kernel)")
 

@@ -118,7 +118,7 @@ def _build(model, forward_batch):
             return f"layer {i}'s MoE block: {moe}"
         qkv, o = _packed(attn.qkv_proj), _packed(attn.o_proj)
         if qkv is None or o is None:
-            return f"layer {i}'s attention projections are not packed bf16 layers"
+            return f"layer {i}'s attention projections are not packed layers"
         if not (_plain_norm(layer.input_layernorm, H) and _plain_norm(layer.post_attention_layernorm, H)):
             return f"layer {i}'s norms are not plain bf16 RMSNorms"
         if not qk_plan(attn, forward_batch):

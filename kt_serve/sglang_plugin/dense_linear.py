@@ -41,9 +41,15 @@ def _release(weight: torch.Tensor) -> None:
     weight.data = torch.zeros((), dtype=weight.dtype).expand(weight.shape)
 
 
-def pack_model(model, enable_lora: bool = False) -> int:
+def _router(name: str) -> bool:
+    """A MoE router or shared-expert gate: kept in bf16 whatever --kt-dense-dtype says (its logits pick experts)."""
+    return name.endswith(".gate") or name.endswith("shared_expert_gate")
+
+
+def pack_model(model, enable_lora: bool = False, dense_dtype: str = "bf16", group_size: int = 128) -> int:
     """Packs every bf16 linear layer run by SGLang's unquantized (or our dequantized-FP8) method, and lm_head, and
-    releases the torch weights nothing else reads. Returns the packed bytes."""
+    releases the torch weights nothing else reads. ``dense_dtype`` int8 / int4 quantizes the linear layers (not
+    the routers nor lm_head) at packing. Returns the packed bytes."""
     from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
     from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
 
@@ -52,7 +58,7 @@ def pack_model(model, enable_lora: bool = False) -> int:
     from .fp8_linear import DequantizedFp8LinearMethod
 
     owners = collections.Counter(p.data_ptr() for _, p in model.named_parameters(remove_duplicate=False))
-    total, layers, released = 0, 0, 0
+    total, layers, released, by_format = 0, 0, 0, collections.Counter()
     for name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
         linear = isinstance(method, (UnquantizedLinearMethod, DequantizedFp8LinearMethod))
@@ -60,9 +66,12 @@ def pack_model(model, enable_lora: bool = False) -> int:
         if not (linear or lm_head) or not _packable(module):
             continue
         bias = getattr(module, "bias", None) if linear else None
-        packed = PackedLinear(module.weight.data, bias if isinstance(bias, torch.Tensor) else None)
+        fmt = dense_dtype if linear and not _router(name) else "bf16"
+        packed = PackedLinear(module.weight.data, bias if isinstance(bias, torch.Tensor) else None,
+                              weight_format=fmt, group_size=group_size)
         setattr(module, _ATTR, packed)
         total += packed.weight_bytes
+        by_format[fmt] += 1
         layers += 1
         read_elsewhere = (name.endswith("shared_expert_gate") or owners[module.weight.data_ptr()] > 1
                           or (lm_head and enable_lora))
@@ -70,8 +79,10 @@ def pack_model(model, enable_lora: bool = False) -> int:
             released += module.weight.numel() * module.weight.element_size()
             _release(module.weight)
     if layers:
-        logger.info("kt_serve: %d dense layers (linear and lm_head) on the kt_serve kernel (%.1f MiB packed bf16, "
-                    "isa %s; %.1f MiB of torch weights released)", layers, total / 2**20, packed.isa, released / 2**20)
+        formats = ", ".join(f"{n} {fmt}" for fmt, n in sorted(by_format.items()))
+        logger.info("kt_serve: %d dense layers (linear and lm_head) on the kt_serve kernel (%s; %.1f MiB packed, "
+                    "isa %s; %.1f MiB of torch weights released)", layers, formats, total / 2**20, packed.isa,
+                    released / 2**20)
     return total
 
 
@@ -107,5 +118,9 @@ def compute_lm_head(original, processor, hidden_states, lm_head, embedding_bias=
 
 def after_load_model(result, model_runner, *args, **kwargs):
     """AFTER ModelRunner.load_model (CPU host, --kt-cpu-ops on): pack the loaded model's dense layers."""
-    pack_model(model_runner.model, enable_lora=bool(getattr(model_runner.server_args, "enable_lora", False)))
+    from .config import get_config
+
+    config = get_config()
+    pack_model(model_runner.model, enable_lora=bool(getattr(model_runner.server_args, "enable_lora", False)),
+               dense_dtype=config.dense_dtype, group_size=config.expert_group_size)
     return result
