@@ -55,6 +55,7 @@ class DecodeStack:
         self._tensors = [_vector("final_norm", final_norm, self.hidden)]
         self._k = _kernel.DecodeStack(self.hidden, self.q_heads, self.kv_heads, self.head_dim, final_norm.data_ptr(),
                                       float(final_eps), isa)
+        self._experts: list[MoEExperts] = []
         self._max_tokens = None  # the fewest tokens any layer's experts take
 
     @property
@@ -85,8 +86,8 @@ class DecodeStack:
                           bool(neox), k_cache.data_ptr(), k_cache.stride(0), v_cache.data_ptr(), v_cache.stride(0),
                           k_cache.shape[0], float(scale), o_proj._k, _bias(o_proj), post_norm.data_ptr(),
                           float(post_eps), gate._k, experts._k, int(top_k), bool(renormalize))
-        self._tensors += [*norms, cos_sin, k_cache, v_cache, qkv.bias, o_proj.bias]
-        self._experts = getattr(self, "_experts", []) + [experts]
+        self._tensors += [*norms, cos_sin, k_cache, v_cache] + [b for b in (qkv.bias, o_proj.bias) if b is not None]
+        self._experts.append(experts)
         self._max_tokens = min(self._max_tokens or experts.max_tokens, experts.max_tokens)
 
     def set_lora(self, layer: int, *, qkv=None, o=None) -> None:
