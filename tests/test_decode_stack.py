@@ -13,7 +13,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kt_serve.decode_stack import DecodeStack
 from kt_serve.dense import PackedLinear

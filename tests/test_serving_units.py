@@ -53,6 +53,26 @@ def test_dense_dtype_needs_the_packed_cpu_ops_and_a_known_format():
         KTServeConfig(dense_dtype="fp8")
 
 
+def test_dense_dtype_refused_where_sglangs_own_kernels_run_the_dense_layers(monkeypatch):
+    """--kt-dense-dtype quantizes the layers the plugin packs; on an AMX or GPU host SGLang's kernels run them in
+    bf16, so the flag is refused at start with the reason instead of being ignored."""
+    import sglang.srt.utils.common as common
+
+    from kt_serve.sglang_plugin import args, cpu_compat
+
+    int8 = KTServeConfig(dense_dtype="int8")
+    assert args.unpacked_dense_layers(KTServeConfig()) is None  # bf16: nothing to refuse anywhere
+    monkeypatch.setattr(cpu_compat, "cpu_only_host", lambda: True)
+    monkeypatch.setattr(common, "cpu_has_amx_support", lambda: False)
+    assert args.unpacked_dense_layers(int8) is None
+    monkeypatch.setattr(common, "cpu_has_amx_support", lambda: True)
+    assert args.unpacked_dense_layers(int8).startswith("--kt-dense-dtype int8: the kt_serve kernel runs the linear "
+                                                       "layers on CPU-only hosts without AMX")
+    monkeypatch.setattr(common, "cpu_has_amx_support", lambda: False)
+    monkeypatch.setattr(cpu_compat, "cpu_only_host", lambda: False)  # a GPU host
+    assert "drop the flag" in args.unpacked_dense_layers(int8)
+
+
 def test_torch_omp_spin_is_shortened_only_where_unset_and_kernel_on():
     env = {}
     KTServeConfig().export(env)

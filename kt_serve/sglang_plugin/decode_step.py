@@ -164,7 +164,6 @@ def _moved(plan: _Stack) -> bool:
 
 def _step_reason(plan: _Stack, B: int, positions, forward_batch, backend) -> str | None:
     """Why this decode batch of B requests keeps SGLang's layer loop, or None."""
-    from . import batch
     from .moe_block import batch_reason, router_lora_reason
 
     if B > plan.max_tokens:

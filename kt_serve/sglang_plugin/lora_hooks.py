@@ -88,8 +88,10 @@ def prepare_lora_batch(result, manager, forward_batch, *args, **kwargs):
 
 
 def _has_layer_lora(manager, uid) -> bool:
-    """Whether SGLang's half of adapter uid has weights inside the decoder layers (q/k/v/o, MLPs), where the
-    decode stack (decode_step.py) cannot apply them; embeddings and lm_head run outside it. Cached per adapter."""
+    """Whether SGLang's half of adapter uid has weights inside the decoder layers (q/k/v/o, MLPs): the decode stack
+    (decode_step.py) then applies them from SGLang's LoRA buffers, or keeps SGLang's loop where it cannot; an adapter
+    with none (its LoRA on embeddings or lm_head only, which run outside the stack) needs neither. Cached per
+    adapter."""
     known = manager.__dict__.setdefault("_kt_layer_lora", {})
     if uid not in known:
         adapter = manager.loras.get(uid)
