@@ -219,6 +219,10 @@ def test_qwen35_concurrent_mixed_batch_equals_sequential(server_composite, qwen3
 
 
 def test_qwen35_fused_checkpoint_with_global_expert_adapter(qwen35):
+    """Also the router path of Qwen2MoeSparseMoeBlock in one kernel call (moe_block.router_experts; no router LoRA
+    is loaded here), the shared expert and its sigmoid gate added by SGLang's block around it."""
+    from sglang.srt.utils.common import cpu_has_amx_support
+
     model, fused, adapters, ref, prompts = qwen35
     with SGLangServer(fused, ["--kt-expert-lora-path", str(adapters["global"]), "--chunked-prefill-size",
                               str(CHUNK)]) as server:
@@ -227,6 +231,10 @@ def test_qwen35_fused_checkpoint_with_global_expert_adapter(qwen35):
             assert_matches(ref, prompt, ids, logprobs, [adapters["global"]])
             base = ref.logprobs(prompt + ids, len(prompt), [])
             assert max(abs(a - b) for a, b in zip(logprobs, base)) > MIN_EFFECT
+        log = server.log_tail(100000)
+    if not cpu_has_amx_support():  # with AMX the router gate is SGLang's (not packed): its own path, logged
+        assert "MoE blocks in one kernel call (router gate, softmax top-k, routed experts)" in log, log[-3000:]
+        assert "MoE blocks keep SGLang's router path" not in log, log[-3000:]
 
 
 def test_qwen35_without_the_kernel_matches_reference(qwen35):

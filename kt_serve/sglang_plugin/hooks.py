@@ -71,6 +71,8 @@ def _register_worker_hooks(HookRegistry, HookType) -> None:
 
                 HookRegistry.register(f"{moe_block.QWEN3_MOE_BLOCK}.forward_normal", moe_block.forward_normal,
                                       HookType.AROUND)
+                HookRegistry.register(f"{moe_block.QWEN2_MOE_BLOCK}._forward_router_experts",
+                                      moe_block.router_experts, HookType.AROUND)
                 from . import decode_step
 
                 HookRegistry.register(f"{decode_step.QWEN2_MOE_MODEL}.forward", decode_step.forward, HookType.AROUND)

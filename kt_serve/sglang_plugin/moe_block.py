@@ -1,4 +1,8 @@
-"""A CPU host's Qwen3-MoE block (router gate, softmax top-k, routed experts) in one kernel call.
+"""A CPU host's MoE block router path (router gate, softmax top-k, routed experts) in one kernel call.
+
+Two block kinds: Qwen3-MoE's ``Qwen3MoeSparseMoeBlock.forward_normal`` (the whole block), and the router path of
+``Qwen2MoeSparseMoeBlock`` (Qwen2-MoE, Qwen3.5-MoE), ``_forward_router_experts``, whose shared expert and its
+sigmoid gate keep running as SGLang's modules around it.
 
 SGLang runs the block as the gate's linear layer, its TopK op (a softmax, a top-k and a renormalisation, each a
 torch dispatch, inside select_experts' checks for EPLB, capture and shared slots) and a dispatch through FusedMoE
@@ -21,6 +25,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 QWEN3_MOE_BLOCK = "sglang.srt.models.qwen3_moe.Qwen3MoeSparseMoeBlock"
+QWEN2_MOE_BLOCK = "sglang.srt.models.qwen2_moe.Qwen2MoeSparseMoeBlock"
 _PLAN = "_kt_moe_block"  # on the block: its _Plan, or the reason it has none
 _logged: set = set()  # reasons (and the fast path) already logged
 
@@ -108,12 +113,9 @@ def router_lora_reason(gate_keys) -> str | None:
     return None
 
 
-def forward_normal(original, block, hidden_states: torch.Tensor):
-    """AROUND Qwen3MoeSparseMoeBlock.forward_normal."""
+def _routed(block, x: torch.Tensor):
+    """The block's routed output for the rows x from one kernel call, or None where SGLang's path must run."""
     plan = block_plan(block)
-    if hidden_states.shape[0] == 0:  # an empty batch: nothing to route, nothing to say
-        return original(block, hidden_states)
-    x = hidden_states
     if isinstance(plan, str):
         reason = plan
     elif x.dim() != 2 or x.device.type != "cpu" or x.dtype != torch.bfloat16:
@@ -122,7 +124,7 @@ def forward_normal(original, block, hidden_states: torch.Tensor):
         reason = batch_reason(x.shape[0]) or router_lora_reason((plan.gate_key,))
     if reason is not None:
         _log_once(f"MoE blocks keep SGLang's router path: {reason}")
-        return original(block, hidden_states)
+        return None
     from . import batch
     from .experts import get_registry
 
@@ -130,3 +132,19 @@ def forward_normal(original, block, hidden_states: torch.Tensor):
     x = x if x.is_contiguous() else x.contiguous()
     slots = batch.slots_for(x.shape[0], get_registry().default_slot)
     return plan.experts.forward_routed(x, plan.gate, plan.top_k, plan.renormalize, slots)
+
+
+def forward_normal(original, block, hidden_states: torch.Tensor):
+    """AROUND Qwen3MoeSparseMoeBlock.forward_normal."""
+    if hidden_states.shape[0] == 0:  # an empty batch: nothing to route, nothing to say
+        return original(block, hidden_states)
+    out = _routed(block, hidden_states)
+    return original(block, hidden_states) if out is None else out
+
+
+def router_experts(original, block, hidden_states: torch.Tensor, *, defer_finalize: bool = False):
+    """AROUND Qwen2MoeSparseMoeBlock._forward_router_experts (its caller adds the shared expert)."""
+    if defer_finalize or block.enable_shared_expert_fusion or hidden_states.shape[0] == 0:
+        return original(block, hidden_states, defer_finalize=defer_finalize)
+    out = _routed(block, hidden_states)
+    return original(block, hidden_states, defer_finalize=defer_finalize) if out is None else out
