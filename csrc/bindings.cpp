@@ -12,6 +12,7 @@
 #include "decode_stack.h"
 #include "dense_linear.h"
 #include "dropout.h"
+#include "gdn.h"
 #include "kernels.h"
 #include "lora_segments.h"
 #include "moe_lora.h"
@@ -224,6 +225,33 @@ PYBIND11_MODULE(_kernel, m) {
                              ldo, kern);
       },
       "Decode attention of B requests over a paged bf16 KV cache; see csrc/decode_attention.h");
+  m.def(
+      "gdn_conv_update",
+      [](int B, int dim, int K, uintptr_t x, int64_t ldx, uintptr_t states, int64_t slots, int64_t slot_stride,
+         int64_t dim_stride, int64_t tap_stride, uintptr_t indices, uintptr_t w, uintptr_t bias, bool silu,
+         uintptr_t out, int64_t ldo) {
+        const kt::GdnConvStates st{ptr<bf16>(states), slots, slot_stride, dim_stride, tap_stride};
+        py::gil_scoped_release nogil;
+        kt::gdn_conv_update(B, dim, K, ptr<const bf16>(x), ldx, st, ptr<const int32_t>(indices), ptr<const bf16>(w),
+                            ptr<const bf16>(bias), silu, ptr<bf16>(out), ldo);
+      },
+      "Gated DeltaNet causal conv1d of one token per request, conv states updated in place; see csrc/gdn.h");
+  m.def(
+      "gdn_recurrent_step",
+      [](int B, int Hk, int Hv, int Dk, int Dv, uintptr_t q, int64_t ldq, uintptr_t k, int64_t ldk, uintptr_t v,
+         int64_t ldv, uintptr_t a, int64_t lda, uintptr_t b, int64_t ldb, uintptr_t A_log, uintptr_t dt_bias,
+         uintptr_t states, int64_t slots, int64_t slot_stride, int64_t head_stride, int64_t k_stride,
+         int64_t v_stride, uintptr_t indices, bool l2norm, float softplus_beta, float softplus_threshold,
+         uintptr_t out) {
+        const kt::GdnStepInputs in{ptr<const bf16>(q), ptr<const bf16>(k), ptr<const bf16>(v), ptr<const bf16>(a),
+                                   ptr<const bf16>(b), ldq, ldk, ldv, lda, ldb, ptr<const float>(A_log),
+                                   ptr<const float>(dt_bias)};
+        const kt::GdnStates st{ptr<float>(states), slots, slot_stride, head_stride, k_stride, v_stride};
+        py::gil_scoped_release nogil;
+        kt::gdn_recurrent_step(B, Hk, Hv, Dk, Dv, in, st, ptr<const int32_t>(indices), l2norm, softplus_beta,
+                               softplus_threshold, ptr<bf16>(out));
+      },
+      "One recurrent gated delta-rule step per request, states updated in place; see csrc/gdn.h");
   py::class_<kt::DecodeStack>(m, "DecodeStack")
       .def(py::init([](int H, int Hq, int Hkv, int D, uintptr_t final_norm, float final_eps, const std::string& isa) {
              return new kt::DecodeStack(H, Hq, Hkv, D, ptr<const bf16>(final_norm), final_eps,

@@ -11,8 +11,8 @@ import importlib
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from kt_serve import gdn
 from kt_serve.sglang_plugin import gdn_ops
 from kt_serve.sglang_plugin.qwen35_ops import (RMS_NORM_GATED_FORWARD, install_qwen35_cpu_ops,
                                                rms_norm_gated_forward_hook)
@@ -30,6 +30,13 @@ PAD = -1
 
 def close(actual, expected, tol=2e-2):
     torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.fixture(params=[True, False], ids=["C++", "torch"])
+def decode_path(request, monkeypatch):
+    """The decode ops (conv update, recurrent step) through csrc/gdn.cpp, and through gdn_ops' torch formulas."""
+    monkeypatch.setattr(gdn_ops, "USE_KERNEL", request.param)
+    return request.param
 
 
 @pytest.fixture(autouse=True)
@@ -197,7 +204,7 @@ def test_causal_conv1d_fn_varlen_initial_states_and_padding():
     assert torch.equal(pool[untouched], before[untouched])
 
 
-def test_causal_conv1d_update_decode_with_padding_rows():
+def test_causal_conv1d_update_decode_with_padding_rows(decode_path):
     weight, bias, pool = _conv_setup()
     idx = torch.tensor([5, PAD, 1, 8], dtype=torch.int32)
     x = torch.randn(4, weight.shape[0], dtype=BF)
@@ -215,7 +222,7 @@ def test_causal_conv1d_update_decode_with_padding_rows():
         OPS.causal_conv1d_update_cpu(x, pool, weight, bias, True, None, idx, -1, True)
 
 
-def test_causal_conv1d_prefill_then_decode_equals_one_prefill():
+def test_causal_conv1d_prefill_then_decode_equals_one_prefill(decode_path):
     weight, bias, pool = _conv_setup()
     x = torch.randn(13, weight.shape[0], dtype=BF)
     one = mamba.causal_conv1d_fn_cpu(x.t(), weight, bias, "silu", pool, torch.tensor([False]),
@@ -256,7 +263,7 @@ def _recurrent_ref(q, k, v, a, b, A_log, dt_bias, state, beta_dtype=torch.float3
 
 
 @pytest.mark.parametrize("idx", [[6, PAD, 2, 9], [3, 4, 5]], ids=["scattered+pad", "contiguous-run"])
-def test_recurrent_decode_step(idx):
+def test_recurrent_decode_step(idx, decode_path):
     batch = len(idx)
     q, k, v, a, b, A_log, dt_bias = _gdn_inputs(batch)
     pool = torch.randn(11, HV, DK, DV) * 0.3
@@ -327,7 +334,7 @@ def test_prefill_continued_from_saved_state_equals_one_prefill():
 
 
 @pytest.mark.parametrize("dk,dv", [(DK, DV), (16, 48)], ids=["k=v", "k!=v pool as SGLang allocates (Hv, Dv, Dk)"])
-def test_prefill_then_decode_equals_one_prefill(dk, dv):
+def test_prefill_then_decode_equals_one_prefill(dk, dv, decode_path):
     total, cut = 80, 77
     q, k, v, a, b, A_log, dt_bias = _gdn_inputs(total, dk, dv)
     pool = torch.zeros(5, HV, dv, dk)  # SGLang's (Hv, V, K): with K != V only [K][V] read transposed fits
@@ -355,7 +362,41 @@ def test_bad_state_pool_shape_is_refused():
     assert gdn_ops.CHUNK == 64
 
 
-def test_strided_pools_as_sglang_may_lay_them_out():
+def test_decode_slot_outside_the_pool_is_refused_with_nothing_written():
+    """The C++ decode ops check every request's slot before touching any state (a bad cache index must not corrupt
+    the other requests' states or write past the pool)."""
+    weight, bias, pool = _conv_setup()
+    before = pool.clone()
+    x = torch.randn(2, weight.shape[0], dtype=BF)
+    with pytest.raises((IndexError, RuntimeError), match="state slot 9, the pool holds 9"):
+        gdn.conv_update(x, pool, weight, bias, True, torch.tensor([1, 9], dtype=torch.int32))
+    assert torch.equal(pool, before)
+    q, k, v, a, b, A_log, dt_bias = _gdn_inputs(2)
+    states = torch.randn(3, HV, DK, DV)
+    kept = states.clone()
+    with pytest.raises((IndexError, RuntimeError), match="state slot 3, the pool holds 3"):
+        gdn.recurrent_step(A_log, dt_bias, q, k, v, a, b, states, torch.tensor([0, 3], dtype=torch.int32), True,
+                           1.0, 20.0)
+    assert torch.equal(states, kept)
+
+
+def test_decode_ops_take_the_kernel_for_sglang_inputs(monkeypatch):
+    """bf16 activations and fp32 states as SGLang passes them take csrc/gdn.cpp (not the torch formulas)."""
+    def torch_path(*args, **kwargs):
+        raise AssertionError("the torch formulas ran")
+
+    monkeypatch.setattr(gdn_ops, "_valid_rows", torch_path)  # both torch decode formulas start there or at _heads_view
+    monkeypatch.setattr(gdn_ops, "_heads_view", torch_path)
+    weight, bias, pool = _conv_setup()
+    mamba.causal_conv1d_update_cpu(torch.randn(2, weight.shape[0], dtype=BF), pool, weight, bias, "silu",
+                                   conv_state_indices=torch.tensor([0, PAD], dtype=torch.int32))
+    q, k, v, a, b, A_log, dt_bias = _gdn_inputs(2)
+    OPS.fused_sigmoid_gating_delta_rule_update_cpu(A_log, dt_bias, q, k, v, a, b, torch.randn(3, HV, DK, DV),
+                                                   torch.tensor([2, PAD], dtype=torch.int32),
+                                                   torch.arange(3, dtype=torch.int32), True)
+
+
+def test_strided_pools_as_sglang_may_lay_them_out(decode_path):
     """Conv states dim-contiguous (the AMX layout, memory_pool._init_amx_conv_state) and an SSM pool whose slots are
     not packed (an envelope holding other state between slots): same results as packed pools."""
     weight, bias, packed = _conv_setup()

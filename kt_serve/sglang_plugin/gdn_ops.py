@@ -3,7 +3,8 @@
 Torch implementations of the sgl-kernel CPU ops that SGLang 0.5.23's GDN backend calls on a CPU host
 (``sgl-kernel/csrc/cpu/mamba/{conv,fla}.cpp``), same arguments, layouts, dtypes and in-place state updates; math in
 fp32. Registered by :func:`kt_serve.sglang_plugin.qwen35_ops.install_qwen35_cpu_ops` only where no real kernel
-exists.
+exists. The two decode ops run in C++ (:mod:`kt_serve.gdn`, csrc/gdn.cpp) for the inputs it takes (bf16
+activations, fp32 states, negative padding slots): torch's dozen ops a layer cost more than the state traffic.
 
 Layouts (SGLang's mamba pool, ``mem_cache/memory_pool.py``):
 
@@ -20,6 +21,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kt_serve import gdn
+
+USE_KERNEL = True  # False: the torch formulas below for every input (the tests hold both to transformers)
 CHUNK = 64  # the real kernel's chunk size (fla.cpp) and transformers' default
 CHUNKS_PER_BLOCK = 32  # intra-chunk tensors are built this many chunks at a time (bounds prefill memory)
 
@@ -137,6 +141,10 @@ def causal_conv1d_update_cpu(x, conv_states, weight, bias, silu_activation, cach
         raise NotImplementedError("causal_conv1d_update_cpu: cache_seqlens (circular conv state) is not supported")
     if x.dim() != 2:
         raise ValueError(f"causal_conv1d_update_cpu: x must be [batch, dim], got {tuple(x.shape)}")
+    if USE_KERNEL and pad_slot_id < 0:
+        out = gdn.conv_update(x, conv_states, weight, bias, silu_activation, conv_state_indices)
+        if out is not None:
+            return out
     batch, dim = x.shape
     width = weight.shape[-1]
     if conv_state_indices is None:
@@ -177,6 +185,12 @@ def fused_sigmoid_gating_delta_rule_update_cpu(A_log, dt_bias, q, k, v, a, b, in
     Returns [batch, 1, Hv, Dv] in q's dtype."""
     steps, batch, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
+    pool = _kv_view(initial_state_source, dk, dv)
+    if USE_KERNEL:
+        out = gdn.recurrent_step(A_log, dt_bias, q, k, v, a, b, pool, initial_state_indices, use_qk_l2norm_in_kernel,
+                                 softplus_beta, softplus_threshold)
+        if out is not None:
+            return out
     slots = initial_state_indices.tolist()
     rows = None
     if min(slots, default=0) < 0:  # padding rows (PAD_SLOT_ID): zero output, no state
@@ -188,7 +202,6 @@ def fused_sigmoid_gating_delta_rule_update_cpu(A_log, dt_bias, q, k, v, a, b, in
         rows = torch.tensor(rows)
         q, k, v, a, b = q[:, rows], k[:, rows], v[:, rows], a[rows], b[rows]
     n = len(slots)
-    pool = _kv_view(initial_state_source, dk, dv)
     g = -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float(), softplus_beta, softplus_threshold)
     decay = torch.exp(g).view(n * hv, 1, 1)
     beta = torch.sigmoid(b.float()).view(n * hv, 1)
