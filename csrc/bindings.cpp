@@ -187,6 +187,15 @@ PYBIND11_MODULE(_kernel, m) {
       },
       "RMSNorm of M bf16 rows (optionally after adding a residual); see csrc/rms_norm.h");
   m.def(
+      "rms_norm_gemma",
+      [](int M, int H, uintptr_t x, uintptr_t residual, int64_t ld, uintptr_t w1, float eps, uintptr_t y,
+         uintptr_t residual_out) {
+        py::gil_scoped_release nogil;
+        kt::rms_norm_gemma(M, H, ptr<const bf16>(x), ptr<const bf16>(residual), ld, ptr<const float>(w1), eps,
+                           ptr<bf16>(y), ptr<bf16>(residual_out));
+      },
+      "Gemma's RMSNorm of M bf16 rows (weight 1 + w in fp32; the residual added in bf16); see csrc/rms_norm.h");
+  m.def(
       "qk_norm_rope",
       [](int T, uintptr_t qkv, int64_t ld, int q_heads, int kv_heads, int D, uintptr_t q_w, uintptr_t k_w, double q_eps,
          double k_eps, uintptr_t positions, uintptr_t cos_sin, int64_t max_position, int rotary_dim, bool neox) {

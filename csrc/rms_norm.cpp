@@ -11,32 +11,50 @@ namespace kt {
 namespace {
 constexpr int64_t kSerialValues = 1 << 15;  // below this many values a call stays on the calling thread
 
-void norm_row(int H, const bf16* x, const bf16* r, const bf16* w, float eps, bf16* y, bf16* r_out, float* s) {
+inline float weight_f32(bf16 w) { return bf16_to_f32(w); }
+inline float weight_f32(float w) { return w; }
+
+// kRoundSum: the sum x + r rounded to bf16 before it is normalised (Gemma's norm adds in the activation dtype).
+template <bool kRoundSum, typename W>
+void norm_row(int H, const bf16* x, const bf16* r, const W* w, float eps, bf16* y, bf16* r_out, float* s) {
   float ss = 0.f;
   for (int i = 0; i < H; ++i) {
-    s[i] = bf16_to_f32(x[i]) + (r ? bf16_to_f32(r[i]) : 0.f);
-    ss += s[i] * s[i];
+    float v = bf16_to_f32(x[i]) + (r ? bf16_to_f32(r[i]) : 0.f);
+    if (kRoundSum && r) v = bf16_to_f32(f32_to_bf16(v));
+    s[i] = v;
+    ss += v * v;
   }
   if (r_out)
     for (int i = 0; i < H; ++i) r_out[i] = f32_to_bf16(s[i]);
   const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
-  for (int i = 0; i < H; ++i) y[i] = f32_to_bf16(s[i] * inv * bf16_to_f32(w[i]));
+  for (int i = 0; i < H; ++i) y[i] = f32_to_bf16(s[i] * inv * weight_f32(w[i]));
 }
-}  // namespace
 
-void rms_norm(int M, int H, const bf16* x, const bf16* residual, int64_t ld, const bf16* w, float eps, bf16* y,
-              bf16* residual_out) {
+template <bool kRoundSum, typename W>
+void norm_rows(int M, int H, const bf16* x, const bf16* residual, int64_t ld, const W* w, float eps, bf16* y,
+               bf16* residual_out) {
   auto rows = [&](int64_t m0, int64_t m1) {
     thread_local std::vector<float> s;
     s.resize(H);
     for (int64_t m = m0; m < m1; ++m)
-      norm_row(H, x + m * ld, residual ? residual + m * ld : nullptr, w, eps, y + m * ld,
-               residual ? residual_out + m * ld : nullptr, s.data());
+      norm_row<kRoundSum>(H, x + m * ld, residual ? residual + m * ld : nullptr, w, eps, y + m * ld,
+                          residual ? residual_out + m * ld : nullptr, s.data());
   };
   if (static_cast<int64_t>(M) * H < kSerialValues) return rows(0, M);
   auto pool = global_pool();
   const int64_t tasks = std::min<int64_t>(M, 4 * pool->num_threads());
   pool->parallel_for(tasks, [&](int64_t t) { rows(t * M / tasks, (t + 1) * M / tasks); });
+}
+}  // namespace
+
+void rms_norm(int M, int H, const bf16* x, const bf16* residual, int64_t ld, const bf16* w, float eps, bf16* y,
+              bf16* residual_out) {
+  norm_rows<false>(M, H, x, residual, ld, w, eps, y, residual_out);
+}
+
+void rms_norm_gemma(int M, int H, const bf16* x, const bf16* residual, int64_t ld, const float* w1, float eps,
+                    bf16* y, bf16* residual_out) {
+  norm_rows<true>(M, H, x, residual, ld, w1, eps, y, residual_out);
 }
 
 void rms_norm_heads(int T, int heads, int D, bf16* x, int64_t ld, const bf16* w, float eps) {
@@ -46,7 +64,7 @@ void rms_norm_heads(int T, int heads, int D, bf16* x, int64_t ld, const bf16* w,
     for (int64_t t = t0; t < t1; ++t)
       for (int h = 0; h < heads; ++h) {
         bf16* row = x + t * ld + static_cast<int64_t>(h) * D;
-        norm_row(D, row, nullptr, w, eps, row, nullptr, s.data());
+        norm_row<false>(D, row, nullptr, w, eps, row, nullptr, s.data());
       }
   };
   if (static_cast<int64_t>(T) * heads * D < kSerialValues) return tokens(0, T);

@@ -13,6 +13,11 @@ namespace kt {
 void rms_norm(int M, int H, const bf16* x, const bf16* residual, int64_t ld, const bf16* w, float eps, bf16* y,
               bf16* residual_out);
 
+// Gemma's RMSNorm (SGLang's GemmaRMSNorm.forward_native, Qwen3.5's layer norms): the residual added in bf16 first,
+// s = bf16(x + residual), residual_out = s, y = bf16(s · rsqrt(mean(s²) + eps) · w1) with w1 = 1 + weight in fp32.
+void rms_norm_gemma(int M, int H, const bf16* x, const bf16* residual, int64_t ld, const float* w1, float eps,
+                    bf16* y, bf16* residual_out);
+
 // RMSNorm of every head in place (Qwen3's q_norm / k_norm, over the q or k part of qkv rows): T token rows ld
 // apart, each `heads` dense heads of D values normalised by w bf16 [D].
 void rms_norm_heads(int T, int heads, int D, bf16* x, int64_t ld, const bf16* w, float eps);

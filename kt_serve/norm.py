@@ -12,15 +12,27 @@ import torch
 
 from kt_serve import _kernel
 
-__all__ = ["rms_norm"]
+__all__ = ["rms_norm", "gemma_rms_norm"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None):
     """``y`` for ``x`` bf16 ``[..., H]`` and ``weight`` bf16 ``[H]``; with ``residual`` (bf16, x's shape) also
     the new residual: returns ``(y, residual_out)``. New tensors; the inputs are not written."""
+    return _norm(_kernel.rms_norm, torch.bfloat16, x, weight, eps, residual)
+
+
+def gemma_rms_norm(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float,
+                   residual: Optional[torch.Tensor] = None):
+    """Gemma's RMSNorm (SGLang's ``GemmaRMSNorm.forward_native``: Qwen3.5's layer norms): as :func:`rms_norm` with
+    the fp32 weight ``1 + w`` and the residual added in bf16 before normalising."""
+    return _norm(_kernel.rms_norm_gemma, torch.float32, x, weight_plus_one, eps, residual)
+
+
+def _norm(kernel_fn, w_dtype, x, weight, eps, residual):
     H = int(weight.shape[-1]) if isinstance(weight, torch.Tensor) and weight.dim() == 1 else None
-    if H is None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
-        raise ValueError(f"weight must be a CPU bf16 tensor [H], got {getattr(weight, 'shape', type(weight).__name__)}")
+    if H is None or weight.dtype != w_dtype or weight.device.type != "cpu":
+        raise ValueError(f"weight must be a CPU {w_dtype} tensor [H], got "
+                         f"{getattr(weight, 'shape', type(weight).__name__)}")
     if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] != H:
         raise ValueError(f"x must be a CPU bf16 tensor [..., {H}], got {getattr(x, 'shape', type(x).__name__)}")
     if residual is not None and (residual.dtype != torch.bfloat16 or residual.shape != x.shape
@@ -32,10 +44,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Option
     M = x.numel() // H
     if residual is None:
         if M:
-            _kernel.rms_norm(M, H, x.data_ptr(), 0, H, w.data_ptr(), float(eps), y.data_ptr(), 0)
+            kernel_fn(M, H, x.data_ptr(), 0, H, w.data_ptr(), float(eps), y.data_ptr(), 0)
         return y
     r = residual.contiguous()
     r_out = torch.empty_like(x)
     if M:
-        _kernel.rms_norm(M, H, x.data_ptr(), r.data_ptr(), H, w.data_ptr(), float(eps), y.data_ptr(), r_out.data_ptr())
+        kernel_fn(M, H, x.data_ptr(), r.data_ptr(), H, w.data_ptr(), float(eps), y.data_ptr(), r_out.data_ptr())
     return y, r_out

@@ -220,7 +220,8 @@ def test_qwen35_concurrent_mixed_batch_equals_sequential(server_composite, qwen3
 
 def test_qwen35_fused_checkpoint_with_global_expert_adapter(qwen35):
     """Also the router path of Qwen2MoeSparseMoeBlock in one kernel call (moe_block.router_experts; no router LoRA
-    is loaded here), the shared expert and its sigmoid gate added by SGLang's block around it."""
+    is loaded here), the shared expert and its sigmoid gate added by SGLang's block around it; and the Gemma
+    RMSNorm layers in C++ (cpu_norm.py)."""
     from sglang.srt.utils.common import cpu_has_amx_support
 
     model, fused, adapters, ref, prompts = qwen35
@@ -235,6 +236,7 @@ def test_qwen35_fused_checkpoint_with_global_expert_adapter(qwen35):
     if not cpu_has_amx_support():  # with AMX the router gate is SGLang's (not packed): its own path, logged
         assert "MoE blocks in one kernel call (router gate, softmax top-k, routed experts)" in log, log[-3000:]
         assert "MoE blocks keep SGLang's router path" not in log, log[-3000:]
+        assert "Gemma RMSNorm on the kt_serve kernel" in log, log[-3000:]  # cpu_norm.py: the layer norms above
 
 
 def test_qwen35_without_the_kernel_matches_reference(qwen35):

@@ -3,7 +3,9 @@
 Without AMX, SGLang's CPU engine dispatches RMSNorm to ``forward_native``: an upcast, an add, a downcast, a square,
 a mean, an rsqrt and two multiplies, each a torch dispatch; at decode that is a few percent of the step per norm
 (evals/profile_decode.py). The plain bf16 configuration (no fp32 residual, no variance override, no fused
-quantization) takes ours, with the same arithmetic; every other configuration keeps SGLang's.
+quantization) takes ours, with the same arithmetic; every other configuration keeps SGLang's. Gemma's RMSNorm
+(Qwen3.5's layer norms: the weight 1 + w in fp32, the residual added in bf16) takes ours too, unless a call
+brings a post-residual addition.
 ``--kt-cpu-ops auto|on|off``, with dense_linear.py.
 """
 
@@ -15,7 +17,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 RMS_NORM = "sglang.srt.layers.layernorm.RMSNorm"
-_logged = False
+GEMMA_RMS_NORM = "sglang.srt.layers.layernorm.GemmaRMSNorm"
+_logged: set = set()
 
 
 def _plain(norm, x, residual, post_residual_addition, quant_linear) -> bool:
@@ -35,8 +38,34 @@ def rms_norm_forward_native(original, norm, x, residual=None, post_residual_addi
         return original(norm, x, residual, post_residual_addition, quant_linear)
     from kt_serve.norm import rms_norm
 
-    global _logged
-    if not _logged:
-        _logged = True
-        logger.info("kt_serve: RMSNorm on the kt_serve kernel (one C++ pass per call)")
+    _log_once("RMSNorm")
     return rms_norm(x, norm.weight.data, norm.variance_epsilon, residual)
+
+
+def _log_once(kind: str) -> None:
+    if kind not in _logged:
+        _logged.add(kind)
+        logger.info("kt_serve: %s on the kt_serve kernel (one C++ pass per call)", kind)
+
+
+def _weight_plus_one(norm) -> torch.Tensor:
+    """1 + w in fp32, as forward_native multiplies; computed once per weight version (a reload recomputes it)."""
+    w = norm.weight
+    cached = getattr(norm, "_kt_weight_plus_one", None)
+    if cached is None or cached[0] != (w.data_ptr(), w._version):
+        cached = ((w.data_ptr(), w._version), (1.0 + w.detach().float()).contiguous())
+        norm._kt_weight_plus_one = cached
+    return cached[1]
+
+
+def gemma_rms_norm_forward_native(original, norm, x, residual=None, post_residual_addition=None):
+    """AROUND GemmaRMSNorm.forward_native (Qwen3.5's layer norms; registered where RMSNorm's is)."""
+    w = getattr(norm, "weight", None)
+    if not (post_residual_addition is None and isinstance(w, torch.Tensor) and w.device.type == "cpu"
+            and x.dtype == torch.bfloat16 and x.device.type == "cpu" and w.dim() == 1 and x.shape[-1] == w.shape[0]
+            and (residual is None or (residual.dtype == torch.bfloat16 and residual.shape == x.shape))):
+        return original(norm, x, residual, post_residual_addition)
+    from kt_serve.norm import gemma_rms_norm
+
+    _log_once("Gemma RMSNorm")
+    return gemma_rms_norm(x, _weight_plus_one(norm), norm.variance_epsilon, residual)

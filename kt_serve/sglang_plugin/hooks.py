@@ -83,6 +83,8 @@ def _register_worker_hooks(HookRegistry, HookType) -> None:
 
                 HookRegistry.register(f"{cpu_norm.RMS_NORM}.forward_native", cpu_norm.rms_norm_forward_native,
                                       HookType.AROUND)
+                HookRegistry.register(f"{cpu_norm.GEMMA_RMS_NORM}.forward_native",
+                                      cpu_norm.gemma_rms_norm_forward_native, HookType.AROUND)
                 HookRegistry.register(f"{cpu_rotary.ROTARY_EMBEDDING}.forward_native",
                                       cpu_rotary.rotary_forward_native, HookType.AROUND)
                 HookRegistry.register(f"{cpu_rotary.QWEN3_MOE_ATTENTION}.apply_qk_norm_rope",
