@@ -238,11 +238,12 @@ PYBIND11_MODULE(_kernel, m) {
       "gdn_conv_update",
       [](int B, int dim, int K, uintptr_t x, int64_t ldx, uintptr_t states, int64_t slots, int64_t slot_stride,
          int64_t dim_stride, int64_t tap_stride, uintptr_t indices, uintptr_t w, uintptr_t bias, bool silu,
-         uintptr_t out, int64_t ldo) {
+         uintptr_t out, int64_t ldo, const std::string& isa) {
         const kt::GdnConvStates st{ptr<bf16>(states), slots, slot_stride, dim_stride, tap_stride};
+        const kt::Kernels& kern = kt::select_kernels(isa.c_str());
         py::gil_scoped_release nogil;
         kt::gdn_conv_update(B, dim, K, ptr<const bf16>(x), ldx, st, ptr<const int32_t>(indices), ptr<const bf16>(w),
-                            ptr<const bf16>(bias), silu, ptr<bf16>(out), ldo);
+                            ptr<const bf16>(bias), silu, ptr<bf16>(out), ldo, kern);
       },
       "Gated DeltaNet causal conv1d of one token per request, conv states updated in place; see csrc/gdn.h");
   m.def(

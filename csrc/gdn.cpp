@@ -30,8 +30,6 @@ void run_tasks(int64_t tasks, int64_t work, Fn&& fn) {
   global_pool()->parallel_for(tasks, fn);
 }
 
-float silu(float v) { return v / (1.f + std::exp(-v)); }
-
 float softplus(float x, float beta, float threshold) {  // torch.nn.functional.softplus
   return x * beta > threshold ? x : std::log1p(std::exp(beta * x)) / beta;
 }
@@ -39,7 +37,8 @@ float softplus(float x, float beta, float threshold) {  // torch.nn.functional.s
 }  // namespace
 
 void gdn_conv_update(int B, int dim, int K, const bf16* x, int64_t ldx, const GdnConvStates& st,
-                     const int32_t* slots, const bf16* w, const bf16* bias, bool silu_act, bf16* out, int64_t ldo) {
+                     const int32_t* slots, const bf16* w, const bf16* bias, bool silu_act, bf16* out, int64_t ldo,
+                     const Kernels& kern) {
   check_slots(B, slots, st.slots, "causal conv1d update");
   constexpr int kChannels = 512;  // channels a task
   const int64_t chunks = (dim + kChannels - 1) / kChannels;
@@ -51,18 +50,24 @@ void gdn_conv_update(int B, int dim, int K, const bf16* x, int64_t ldx, const Gd
       std::fill(o + c0, o + c1, bf16(0));
       return;
     }
+    thread_local std::vector<float> acc, ones;
+    acc.resize(kChannels);
+    ones.resize(kChannels, 1.f);
     bf16* s = st.data + slots[n] * st.slot_stride;
     const bf16* xr = x + n * ldx;
     for (int c = c0; c < c1; ++c) {
       const bf16* wc = w + static_cast<int64_t>(c) * K;
       bf16* sc = s + c * st.dim_stride;
-      float acc = bf16_to_f32(xr[c]) * bf16_to_f32(wc[K - 1]);
-      for (int j = 0; j < K - 1; ++j) acc += bf16_to_f32(sc[j * st.tap_stride]) * bf16_to_f32(wc[j]);
-      if (bias) acc += bf16_to_f32(bias[c]);
-      o[c] = f32_to_bf16(silu_act ? silu(acc) : acc);
+      float a = bf16_to_f32(xr[c]) * bf16_to_f32(wc[K - 1]);
+      for (int j = 0; j < K - 1; ++j) a += bf16_to_f32(sc[j * st.tap_stride]) * bf16_to_f32(wc[j]);
+      acc[c - c0] = bias ? a + bf16_to_f32(bias[c]) : a;
       for (int j = 0; j + 1 < K - 1; ++j) sc[j * st.tap_stride] = sc[(j + 1) * st.tap_stride];
       if (K > 1) sc[(K - 2) * st.tap_stride] = xr[c];
     }
+    if (silu_act)  // the table's SwiGLU with an up projection of ones: silu(acc) · 1, its vector e^x
+      kern.swiglu(c1 - c0, acc.data(), ones.data(), o + c0);
+    else
+      for (int c = c0; c < c1; ++c) o[c] = f32_to_bf16(acc[c - c0]);
   });
 }
 

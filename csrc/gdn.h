@@ -21,8 +21,10 @@ struct GdnConvStates {
 // then state[s][c] = (state[s][c][1:], x[n][c]). slots[n] < 0 is a padding row: its output row is zero and no
 // state is read or written. w: [dim][K] bf16 rows; bias: [dim] bf16 or null. Throws, before anything is written,
 // if a slot is >= states.slots.
+// kern: the table whose SwiGLU computes the SiLU (its vector e^x; scalar e^x was most of the op's time).
 void gdn_conv_update(int B, int dim, int K, const bf16* x, int64_t ldx, const GdnConvStates& states,
-                     const int32_t* slots, const bf16* w, const bf16* bias, bool silu, bf16* out, int64_t ldo);
+                     const int32_t* slots, const bf16* w, const bf16* bias, bool silu, bf16* out, int64_t ldo,
+                     const Kernels& kern);
 
 // Recurrent states [slots][Hv][Dk][Dv] fp32, read as S[k][v]; strides in elements.
 struct GdnStates {

@@ -43,7 +43,7 @@ def conv_update(x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor
         s0, s1, s2 = conv_states.stride()
         _kernel.gdn_conv_update(batch, dim, width, x.data_ptr(), x.stride(0), conv_states.data_ptr(),
                                 conv_states.shape[0], s0, s1, s2, idx.data_ptr(), w.data_ptr(),
-                                0 if bias is None else bias.data_ptr(), bool(silu), out.data_ptr(), dim)
+                                0 if bias is None else bias.data_ptr(), bool(silu), out.data_ptr(), dim, "auto")
     return out
 
 
