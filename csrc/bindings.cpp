@@ -196,6 +196,16 @@ PYBIND11_MODULE(_kernel, m) {
       },
       "Gemma's RMSNorm of M bf16 rows (weight 1 + w in fp32; the residual added in bf16); see csrc/rms_norm.h");
   m.def(
+      "rms_norm_gated",
+      [](int M, int N, int group, uintptr_t x, uintptr_t z, uintptr_t w, uintptr_t b, float eps, bool sigmoid_gate,
+         uintptr_t out, const std::string& isa) {
+        const kt::Kernels& kern = kt::select_kernels(isa.c_str());
+        py::gil_scoped_release nogil;
+        kt::rms_norm_gated(M, N, group, ptr<const bf16>(x), ptr<const bf16>(z), ptr<const float>(w),
+                           ptr<const float>(b), eps, sigmoid_gate, ptr<bf16>(out), kern);
+      },
+      "fla's gated RMSNorm (norm before the gate, SiLU or sigmoid gate) of M bf16 rows; see csrc/rms_norm.h");
+  m.def(
       "qk_norm_rope",
       [](int T, uintptr_t qkv, int64_t ld, int q_heads, int kv_heads, int D, uintptr_t q_w, uintptr_t k_w, double q_eps,
          double k_eps, uintptr_t positions, uintptr_t cos_sin, int64_t max_position, int rotary_dim, bool neox) {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
 #include <vector>
 
 #include "thread_pool.h"
@@ -55,6 +56,39 @@ void rms_norm(int M, int H, const bf16* x, const bf16* residual, int64_t ld, con
 void rms_norm_gemma(int M, int H, const bf16* x, const bf16* residual, int64_t ld, const float* w1, float eps,
                     bf16* y, bf16* residual_out) {
   norm_rows<true>(M, H, x, residual, ld, w1, eps, y, residual_out);
+}
+
+void rms_norm_gated(int M, int N, int group, const bf16* x, const bf16* z, const float* w, const float* b, float eps,
+                    bool sigmoid_gate, bf16* out, const Kernels& kern) {
+  if (group <= 0 || N % group != 0) throw std::invalid_argument("gated RMSNorm: the group must divide the row");
+  auto rows = [&](int64_t m0, int64_t m1) {
+    thread_local std::vector<float> y, zf;
+    y.resize(N);
+    zf.resize(N);
+    for (int64_t m = m0; m < m1; ++m) {
+      const bf16* xr = x + m * N;
+      const bf16* zr = z + m * N;
+      for (int g0 = 0; g0 < N; g0 += group) {
+        float ss = 0.f;
+        for (int i = g0; i < g0 + group; ++i) {
+          y[i] = bf16_to_f32(xr[i]);
+          ss += y[i] * y[i];
+        }
+        const float inv = 1.f / std::sqrt(ss / static_cast<float>(group) + eps);
+        for (int i = g0; i < g0 + group; ++i) y[i] = y[i] * inv * w[i] + (b ? b[i] : 0.f);
+      }
+      for (int i = 0; i < N; ++i) zf[i] = bf16_to_f32(zr[i]);
+      bf16* o = out + m * N;
+      if (sigmoid_gate)
+        for (int i = 0; i < N; ++i) o[i] = f32_to_bf16(y[i] / (1.f + std::exp(-zf[i])));
+      else
+        kern.swiglu(N, zf.data(), y.data(), o);  // silu(z) · y
+    }
+  };
+  if (static_cast<int64_t>(M) * N < kSerialValues) return rows(0, M);
+  auto pool = global_pool();
+  const int64_t tasks = std::min<int64_t>(M, 4 * pool->num_threads());
+  pool->parallel_for(tasks, [&](int64_t t) { rows(t * M / tasks, (t + 1) * M / tasks); });
 }
 
 void rms_norm_heads(int T, int heads, int D, bf16* x, int64_t ld, const bf16* w, float eps) {

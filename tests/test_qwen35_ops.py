@@ -11,6 +11,7 @@ import importlib
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kt_serve import gdn
 from kt_serve.sglang_plugin import gdn_ops
@@ -147,19 +148,40 @@ def test_rms_norm_gated_matches_transformers_and_sglang_module():
     close(OPS.fused_rmsnorm_gated_cpu(x, norm.weight, z.reshape(-1, DV), 1e-6), out, 1e-2)
 
 
-@pytest.mark.parametrize("norm_before_gate,activation", [(False, "swish"), (True, "sigmoid")])
-def test_rms_norm_gated_groups_and_gate_order(norm_before_gate, activation):
+@pytest.mark.parametrize("norm_before_gate,activation", [(False, "swish"), (True, "sigmoid"), (True, "swish")])
+@pytest.mark.parametrize("dtype", [torch.float32, BF], ids=["fp32 (torch)", "bf16 (C++ where the norm comes first)"])
+def test_rms_norm_gated_groups_and_gate_order(norm_before_gate, activation, dtype):
     layernorm_gated = importlib.import_module(RMS_NORM_GATED_FORWARD.rsplit(".", 2)[0])
     norm = layernorm_gated.RMSNorm(64, eps=1e-5, group_size=16, norm_before_gate=norm_before_gate,
                                    activation=activation)
     norm.weight.copy_(torch.randn(64))
-    x, z = torch.randn(5, 64), torch.randn(5, 64)
-    act = torch.sigmoid(z) if activation == "sigmoid" else z * torch.sigmoid(z)
-    h = x if norm_before_gate else x * act
+    x, z = torch.randn(5, 64).to(dtype), torch.randn(5, 64).to(dtype)
+    xf, zf = x.float(), z.float()
+    act = torch.sigmoid(zf) if activation == "sigmoid" else zf * torch.sigmoid(zf)
+    h = xf if norm_before_gate else xf * act
     hg = h.view(5, 4, 16)
     expected = (hg / torch.sqrt(hg.pow(2).mean(-1, keepdim=True) + 1e-5)).view(5, 64) * norm.weight
     expected = expected * act if norm_before_gate else expected
-    close(rms_norm_gated_forward_hook(None, norm, x, z), expected, 1e-5)
+    out = rms_norm_gated_forward_hook(None, norm, x, z)
+    assert out.dtype == dtype
+    close(out, expected, 1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_rms_norm_gated_bf16_takes_the_kernel(monkeypatch):
+    """Qwen3.5's configuration (bf16, norm before a SiLU gate) runs csrc/rms_norm.cpp, not the torch formula, and
+    follows the module's weight when it is written in place."""
+    from kt_serve.sglang_plugin import qwen35_ops
+
+    monkeypatch.setattr(qwen35_ops, "rms_norm_gated", lambda *a, **k: pytest.fail("the torch formula ran"))
+    layernorm_gated = importlib.import_module(RMS_NORM_GATED_FORWARD.rsplit(".", 2)[0])
+    norm = layernorm_gated.RMSNorm(DV, eps=1e-6, group_size=None, norm_before_gate=True, dtype=BF)
+    x, z = torch.randn(3 * HV, DV, dtype=BF), torch.randn(3, HV, DV, dtype=BF)
+    for scale in (1.0, -2.0):
+        with torch.no_grad():
+            norm.weight.copy_(torch.linspace(0.5, 1.5, DV) * scale)
+        xf, zf = x.float(), z.reshape(-1, DV).float()
+        expected = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.float() * F.silu(zf)
+        close(rms_norm_gated_forward_hook(None, norm, x, z), expected)
 
 
 # ------------------------------------------------------------------------------------------------------ conv1d

@@ -48,13 +48,19 @@ def _log_once(kind: str) -> None:
         logger.info("kt_serve: %s on the kt_serve kernel (one C++ pass per call)", kind)
 
 
-def _weight_plus_one(norm) -> torch.Tensor:
-    """1 + w in fp32, as forward_native multiplies; computed once per weight version (a reload recomputes it)."""
+def fp32_weight(norm, plus_one: bool = False) -> torch.Tensor:
+    """The norm's weight in fp32 (1 + w for Gemma's), as forward_native multiplies; computed once per weight version
+    (a reload recomputes it)."""
     w = norm.weight
-    cached = getattr(norm, "_kt_weight_plus_one", None)
-    if cached is None or cached[0] != (w.data_ptr(), w._version):
-        cached = ((w.data_ptr(), w._version), (1.0 + w.detach().float()).contiguous())
-        norm._kt_weight_plus_one = cached
+    value = lambda: ((1.0 if plus_one else 0.0) + w.detach().float()).contiguous()  # noqa: E731
+    try:
+        key = (w.data_ptr(), w._version, plus_one)
+    except RuntimeError:  # an inference-mode tensor tracks no version: computed every call
+        return value()
+    cached = getattr(norm, "_kt_fp32_weight", None)
+    if cached is None or cached[0] != key:
+        cached = (key, value())
+        norm._kt_fp32_weight = cached
     return cached[1]
 
 
@@ -68,4 +74,4 @@ def gemma_rms_norm_forward_native(original, norm, x, residual=None, post_residua
     from kt_serve.norm import gemma_rms_norm
 
     _log_once("Gemma RMSNorm")
-    return gemma_rms_norm(x, _weight_plus_one(norm), norm.variance_epsilon, residual)
+    return gemma_rms_norm(x, fp32_weight(norm, plus_one=True), norm.variance_epsilon, residual)

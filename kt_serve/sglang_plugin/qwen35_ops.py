@@ -92,11 +92,21 @@ def fused_rmsnorm_gated_cpu(input, weight, gate, eps):
 
 
 def rms_norm_gated_forward_hook(original, module, x, z=None):
-    """AROUND hook for RMS_NORM_GATED_FORWARD: SGLang's own path on an accelerator or with the AMX kernel, else
-    rms_norm_gated (the CPU branch needs AMX, the other one is Triton: "Torch not compiled with CUDA enabled")."""
+    """AROUND hook for RMS_NORM_GATED_FORWARD: SGLang's own path on an accelerator or with the AMX kernel, else ours
+    (the CPU branch needs AMX, the other one is Triton: "Torch not compiled with CUDA enabled"): bf16 with the norm
+    before the gate (Qwen3.5) in one C++ pass (kt_serve.norm.gated_rms_norm), anything else rms_norm_gated."""
     layernorm_gated = sys.modules.get(RMS_NORM_GATED_FORWARD.rsplit(".", 2)[0])
     if x.device.type != "cpu" or getattr(layernorm_gated, "_use_cpu", False):
         return original(module, x, z)
+    if (z is not None and module.norm_before_gate and module.activation in ("swish", "silu", "sigmoid")
+            and x.dtype == torch.bfloat16 and z.dtype == torch.bfloat16 and z.numel() == x.numel()):
+        from kt_serve.norm import gated_rms_norm
+
+        from .cpu_norm import fp32_weight
+
+        bias = None if module.bias is None else module.bias.detach().float()
+        return gated_rms_norm(x, z, fp32_weight(module), module.eps, module.group_size or x.shape[-1], bias,
+                              module.activation == "sigmoid")
     return rms_norm_gated(x, module.weight, module.bias, z, module.eps, module.group_size, module.norm_before_gate,
                           module.activation)
 
