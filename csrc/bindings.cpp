@@ -98,11 +98,6 @@ PYBIND11_MODULE(_kernel, m) {
       })
       .def("release_saved", &kt::MoELoRA::release_saved);
 
-  // The table of an "auto" call chosen once: these run for every LoRA layer of a step, and cpuid traps in a VM.
-  auto table = [](const std::string& isa) -> const kt::Kernels& {
-    static const kt::Kernels& best = kt::select_kernels("auto");
-    return isa == "auto" ? best : kt::select_kernels(isa.c_str());
-  };
   auto segments = [](int n, int adapters, uintptr_t seg_lens, uintptr_t weight_indices, uintptr_t ranks,
                      uintptr_t scalings) {
     return kt::LoRASegments{n, adapters, ptr<const int32_t>(seg_lens), ptr<const int32_t>(weight_indices),
@@ -110,10 +105,10 @@ PYBIND11_MODULE(_kernel, m) {
   };
   m.def(
       "lora_shrink",
-      [segments, table](int n, int adapters, uintptr_t seg_lens, uintptr_t weight_indices, uintptr_t ranks,
+      [segments](int n, int adapters, uintptr_t seg_lens, uintptr_t weight_indices, uintptr_t ranks,
                         uintptr_t scalings, int T, int K, uintptr_t x, int64_t ldx, uintptr_t w, int w_rows,
                         int slices, uintptr_t out, int64_t ldo, const std::string& isa) {
-        const kt::Kernels& k = table(isa);
+        const kt::Kernels& k = kt::select_kernels(isa.c_str());
         py::gil_scoped_release nogil;
         kt::lora_shrink(k, segments(n, adapters, seg_lens, weight_indices, ranks, scalings), T, K, ptr<const bf16>(x),
                         ldx, ptr<const bf16>(w), w_rows, slices, ptr<bf16>(out), ldo);
@@ -121,10 +116,10 @@ PYBIND11_MODULE(_kernel, m) {
       "Segmented LoRA shrink of SGLang's LoRA batch (csrc/lora_segments.h).");
   m.def(
       "lora_expand",
-      [segments, table](int n, int adapters, uintptr_t seg_lens, uintptr_t weight_indices, uintptr_t ranks, int T,
+      [segments](int n, int adapters, uintptr_t seg_lens, uintptr_t weight_indices, uintptr_t ranks, int T,
                         uintptr_t a, int64_t lda, uintptr_t w, int64_t w_rows, int max_rank, uintptr_t offsets,
                         int slices, uintptr_t y, int64_t ldy, const std::string& isa) {
-        const kt::Kernels& k = table(isa);
+        const kt::Kernels& k = kt::select_kernels(isa.c_str());
         py::gil_scoped_release nogil;
         kt::lora_expand(k, segments(n, adapters, seg_lens, weight_indices, ranks, 0), T, ptr<const bf16>(a), lda,
                         ptr<const bf16>(w), w_rows, max_rank, ptr<const int32_t>(offsets), slices, ptr<bf16>(y), ldy);

@@ -14,47 +14,58 @@
 
 namespace kt {
 
+// Each detector runs cpuid once: in a VM cpuid traps to the hypervisor (tens of microseconds), and the tables are
+// looked up by calls made many times a decode step.
 bool cpu_has_avx2_fma() {
+  static const bool ok = []() -> bool {
 #if defined(__x86_64__) || defined(__i386__)
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(1, 0, &a, &b, &c, &d)) return false;
-  if (!(c & (1u << 12)) || !(c & (1u << 27)) || !(c & (1u << 28))) return false;  // FMA, OSXSAVE, AVX
-  unsigned xcr0_lo, xcr0_hi;
-  __asm__ volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
-  if ((xcr0_lo & 0x6u) != 0x6u) return false;  // OS saves XMM/YMM state
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  return b & (1u << 5);  // AVX2
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(1, 0, &a, &b, &c, &d)) return false;
+    if (!(c & (1u << 12)) || !(c & (1u << 27)) || !(c & (1u << 28))) return false;  // FMA, OSXSAVE, AVX
+    unsigned xcr0_lo, xcr0_hi;
+    __asm__ volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+    if ((xcr0_lo & 0x6u) != 0x6u) return false;  // OS saves XMM/YMM state
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    return b & (1u << 5);  // AVX2
 #else
-  return false;
+    return false;
 #endif
+  }();
+  return ok;
 }
 
 bool cpu_has_avx512_bf16() {
+  static const bool ok = []() -> bool {
 #if defined(__x86_64__) || defined(__i386__)
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(1, 0, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE
-  unsigned xcr0_lo, xcr0_hi;
-  __asm__ volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
-  if ((xcr0_lo & 0xe6u) != 0xe6u) return false;  // OS saves XMM/YMM/opmask/ZMM state
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  const bool f = b & (1u << 16), dq = b & (1u << 17), bw = b & (1u << 30), vl = b & (1u << 31);
-  const bool vnni = c & (1u << 11);  // every AVX512-BF16 CPU has it (Cooper Lake, Sapphire Rapids, Zen 4)
-  if (!(f && dq && bw && vl && vnni)) return false;
-  if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
-  return a & (1u << 5);  // AVX512_BF16 (with F, DQ, BW, VL and VNNI, the flags kernels_avx512bf16.cpp is built with)
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(1, 0, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE
+    unsigned xcr0_lo, xcr0_hi;
+    __asm__ volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+    if ((xcr0_lo & 0xe6u) != 0xe6u) return false;  // OS saves XMM/YMM/opmask/ZMM state
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool f = b & (1u << 16), dq = b & (1u << 17), bw = b & (1u << 30), vl = b & (1u << 31);
+    const bool vnni = c & (1u << 11);  // every AVX512-BF16 CPU has it (Cooper Lake, Sapphire Rapids, Zen 4)
+    if (!(f && dq && bw && vl && vnni)) return false;
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
+    return a & (1u << 5);  // AVX512_BF16 (with F, DQ, BW, VL and VNNI, the flags kernels_avx512bf16.cpp is built with)
 #else
-  return false;
+    return false;
 #endif
+  }();
+  return ok;
 }
 
 bool cpu_has_avx512_vbmi() {
+  static const bool ok = []() -> bool {
 #if defined(__x86_64__) || defined(__i386__)
-  unsigned a, b, c, d;
-  if (!cpu_has_avx512_bf16() || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  return c & (1u << 1);  // AVX512_VBMI
+    unsigned a, b, c, d;
+    if (!cpu_has_avx512_bf16() || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    return c & (1u << 1);  // AVX512_VBMI
 #else
-  return false;
+    return false;
 #endif
+  }();
+  return ok;
 }
 
 bool fp8_lanes_decoder() {
@@ -65,18 +76,21 @@ bool fp8_lanes_decoder() {
       throw std::invalid_argument("KT_SERVE_FP8_DECODER: expected lanes or lookup, got '" + want + "'");
     return want == "lanes";
   }
+  static const bool intel = []() -> bool {
 #if defined(__x86_64__) || defined(__i386__)
-  unsigned a, b, c, d;
-  if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
-  return b == 0x756e6547 && d == 0x49656e69 && c == 0x6c65746e;  // vendor "GenuineIntel"
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+    return b == 0x756e6547 && d == 0x49656e69 && c == 0x6c65746e;  // vendor "GenuineIntel"
 #else
-  return false;
+    return false;
 #endif
+  }();
+  return intel;
 }
 
 bool cpu_has_amx_bf16() {
 #if defined(__x86_64__) && defined(SYS_arch_prctl)
-  static const bool ok = [] {
+  static const bool ok = []() -> bool {
     if (!cpu_has_avx512_bf16()) return false;
     unsigned a, b, c, d;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
