@@ -38,11 +38,11 @@ def rms_norm_forward_native(original, norm, x, residual=None, post_residual_addi
         return original(norm, x, residual, post_residual_addition, quant_linear)
     from kt_serve.norm import rms_norm
 
-    _log_once("RMSNorm")
+    log_once("RMSNorm")
     return rms_norm(x, norm.weight.data, norm.variance_epsilon, residual)
 
 
-def _log_once(kind: str) -> None:
+def log_once(kind: str) -> None:
     if kind not in _logged:
         _logged.add(kind)
         logger.info("kt_serve: %s on the kt_serve kernel (one C++ pass per call)", kind)
@@ -73,5 +73,5 @@ def gemma_rms_norm_forward_native(original, norm, x, residual=None, post_residua
         return original(norm, x, residual, post_residual_addition)
     from kt_serve.norm import gemma_rms_norm
 
-    _log_once("Gemma RMSNorm")
+    log_once("Gemma RMSNorm")
     return gemma_rms_norm(x, fp32_weight(norm, plus_one=True), norm.variance_epsilon, residual)

@@ -102,9 +102,9 @@ def rms_norm_gated_forward_hook(original, module, x, z=None):
             and x.dtype == torch.bfloat16 and z.dtype == torch.bfloat16 and z.numel() == x.numel()):
         from kt_serve.norm import gated_rms_norm
 
-        from .cpu_norm import _log_once, fp32_weight
+        from .cpu_norm import fp32_weight, log_once
 
-        _log_once("gated RMSNorm")
+        log_once("gated RMSNorm")
         bias = None if module.bias is None else module.bias.detach().float()
         return gated_rms_norm(x, z, fp32_weight(module), module.eps, module.group_size or x.shape[-1], bias,
                               module.activation == "sigmoid")
