@@ -254,13 +254,15 @@ PYBIND11_MODULE(_kernel, m) {
   m.def(
       "gdn_recurrent_step",
       [](int B, int Hk, int Hv, int Dk, int Dv, uintptr_t q, int64_t ldq, uintptr_t k, int64_t ldk, uintptr_t v,
-         int64_t ldv, uintptr_t a, int64_t lda, uintptr_t b, int64_t ldb, uintptr_t A_log, uintptr_t dt_bias,
+         int64_t ldv, uintptr_t a, int64_t lda, uintptr_t b, int64_t ldb, uintptr_t A_log, bool A_log_bf16,
+         uintptr_t dt_bias, bool dt_bias_bf16,
          uintptr_t states, int64_t slots, int64_t slot_stride, int64_t head_stride, int64_t k_stride,
          int64_t v_stride, uintptr_t indices, bool l2norm, float softplus_beta, float softplus_threshold,
          uintptr_t out) {
         const kt::GdnStepInputs in{ptr<const bf16>(q), ptr<const bf16>(k), ptr<const bf16>(v), ptr<const bf16>(a),
-                                   ptr<const bf16>(b), ldq, ldk, ldv, lda, ldb, ptr<const float>(A_log),
-                                   ptr<const float>(dt_bias)};
+                                   ptr<const bf16>(b), ldq, ldk, ldv, lda, ldb,
+                                   kt::HeadParam{ptr<const void>(A_log), A_log_bf16},
+                                   kt::HeadParam{ptr<const void>(dt_bias), dt_bias_bf16}};
         const kt::GdnStates st{ptr<float>(states), slots, slot_stride, head_stride, k_stride, v_stride};
         py::gil_scoped_release nogil;
         kt::gdn_recurrent_step(B, Hk, Hv, Dk, Dv, in, st, ptr<const int32_t>(indices), l2norm, softplus_beta,

@@ -19,15 +19,12 @@ void check_slots(int B, const int32_t* slots, int64_t pool_slots, const char* wh
                               std::to_string(slots[n]) + ", the pool holds " + std::to_string(pool_slots));
 }
 
-// Runs fn(t) for t < tasks, on the pool when the call is worth the hand-off.
+// Runs fn(t) for t < tasks (parallel_rows' runs of tasks), on the pool when the call is worth the hand-off.
 template <class Fn>
-void run_tasks(int64_t tasks, int64_t work, Fn&& fn) {
-  constexpr int64_t kSerialWork = 1 << 15;  // values touched below which a call stays on the calling thread
-  if (tasks <= 1 || work < kSerialWork) {
-    for (int64_t t = 0; t < tasks; ++t) fn(t);
-    return;
-  }
-  global_pool()->parallel_for(tasks, fn);
+void run_tasks(int64_t tasks, int64_t values, Fn&& fn) {
+  parallel_rows(tasks, values, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) fn(t);
+  });
 }
 
 float softplus(float x, float beta, float threshold) {  // torch.nn.functional.softplus
@@ -141,8 +138,8 @@ void gdn_recurrent_step(int B, int Hk, int Hv, int Dk, int Dv, const GdnStepInpu
     head_f32(Dk, in.k + n * in.ldk + static_cast<int64_t>(kh) * Dk, l2norm, 1.f, k);
     float qk = 0.f;
     for (int i = 0; i < Dk; ++i) qk += q[i] * k[i];
-    const float a = bf16_to_f32(in.a[n * in.lda + h]) + in.dt_bias[h];
-    const float decay = std::exp(-std::exp(in.A_log[h]) * softplus(a, softplus_beta, softplus_threshold));
+    const float a = bf16_to_f32(in.a[n * in.lda + h]) + in.dt_bias.at(h);
+    const float decay = std::exp(-std::exp(in.A_log.at(h)) * softplus(a, softplus_beta, softplus_threshold));
     const float beta = 1.f / (1.f + std::exp(-bf16_to_f32(in.b[n * in.ldb + h])));
     float* S = st.data + slots[n] * st.slot_stride + h * st.head_stride;
     read_state(Dk, Dv, S, st.k_stride, st.v_stride, q, k, rq, rk);

@@ -32,12 +32,21 @@ struct GdnStates {
   int64_t slots, slot_stride, head_stride, k_stride, v_stride;
 };
 
+// A per-head parameter as the model holds it, fp32 or bf16 (read as stored: no per-call conversion).
+struct HeadParam {
+  const void* data;
+  bool is_bf16;
+  float at(int h) const {
+    return is_bf16 ? bf16_to_f32(static_cast<const bf16*>(data)[h]) : static_cast<const float*>(data)[h];
+  }
+};
+
 // One token per request: q, k [B][Hk][Dk], v [B][Hv][Dv] (bf16; heads D values apart, requests ld apart), gate
-// inputs a, b [B][Hv] (bf16, requests ld apart), per value head A_log and dt_bias (fp32).
+// inputs a, b [B][Hv] (bf16, requests ld apart), per value head A_log and dt_bias.
 struct GdnStepInputs {
   const bf16 *q, *k, *v, *a, *b;
   int64_t ldq, ldk, ldv, lda, ldb;
-  const float *A_log, *dt_bias;
+  HeadParam A_log, dt_bias;
 };
 
 // For request n, value head h (key head h / (Hv / Hk)), state S = states[slots[n]][h]:

@@ -10,8 +10,6 @@
 namespace kt {
 
 namespace {
-constexpr int64_t kSerialValues = 1 << 15;  // below this many values a call stays on the calling thread
-
 inline float weight_f32(bf16 w) { return bf16_to_f32(w); }
 inline float weight_f32(float w) { return w; }
 
@@ -41,10 +39,7 @@ void norm_rows(int M, int H, const bf16* x, const bf16* residual, int64_t ld, co
       norm_row<kRoundSum>(H, x + m * ld, residual ? residual + m * ld : nullptr, w, eps, y + m * ld,
                           residual ? residual_out + m * ld : nullptr, s.data());
   };
-  if (static_cast<int64_t>(M) * H < kSerialValues) return rows(0, M);
-  auto pool = global_pool();
-  const int64_t tasks = std::min<int64_t>(M, 4 * pool->num_threads());
-  pool->parallel_for(tasks, [&](int64_t t) { rows(t * M / tasks, (t + 1) * M / tasks); });
+  parallel_rows(M, static_cast<int64_t>(M) * H, rows);
 }
 }  // namespace
 
@@ -85,10 +80,7 @@ void rms_norm_gated(int M, int N, int group, const bf16* x, const bf16* z, const
         kern.swiglu(N, zf.data(), y.data(), o);  // silu(z) · y
     }
   };
-  if (static_cast<int64_t>(M) * N < kSerialValues) return rows(0, M);
-  auto pool = global_pool();
-  const int64_t tasks = std::min<int64_t>(M, 4 * pool->num_threads());
-  pool->parallel_for(tasks, [&](int64_t t) { rows(t * M / tasks, (t + 1) * M / tasks); });
+  parallel_rows(M, static_cast<int64_t>(M) * N, rows);
 }
 
 void rms_norm_heads(int T, int heads, int D, bf16* x, int64_t ld, const bf16* w, float eps) {
@@ -101,10 +93,7 @@ void rms_norm_heads(int T, int heads, int D, bf16* x, int64_t ld, const bf16* w,
         norm_row<false>(D, row, nullptr, w, eps, row, nullptr, s.data());
       }
   };
-  if (static_cast<int64_t>(T) * heads * D < kSerialValues) return tokens(0, T);
-  auto pool = global_pool();
-  const int64_t tasks = std::min<int64_t>(T, 4 * pool->num_threads());
-  pool->parallel_for(tasks, [&](int64_t t) { tokens(t * T / tasks, (t + 1) * T / tasks); });
+  parallel_rows(T, static_cast<int64_t>(T) * heads * D, tokens);
 }
 
 }  // namespace kt

@@ -9,7 +9,6 @@
 namespace kt {
 
 namespace {
-constexpr int64_t kSerialValues = 1 << 15;  // below this many values a call stays on the calling thread
 
 template <bool kNeox>  // a compile-time pairing, so the neox loop (unit strides) vectorizes
 void rotate_head(bf16* x, const float* cos, const float* sin, int half) {
@@ -41,10 +40,7 @@ void rotary_embedding(int T, const int64_t* positions, const float* cos_sin, int
                                                           cos, cos + half, half);
     }
   };
-  if (static_cast<int64_t>(T) * (q.heads + k.heads) * head_size < kSerialValues) return tokens(0, T);
-  auto pool = global_pool();
-  const int64_t tasks = std::min<int64_t>(T, 4 * pool->num_threads());
-  pool->parallel_for(tasks, [&](int64_t i) { tokens(i * T / tasks, (i + 1) * T / tasks); });
+  parallel_rows(T, static_cast<int64_t>(T) * (q.heads + k.heads) * head_size, tokens);
 }
 
 }  // namespace kt

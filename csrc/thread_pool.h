@@ -1,6 +1,7 @@
 // A small fork-join pool: the calling thread works too. After a job, workers poll for the next one for a while
 // (set_idle_spin_us) before they sleep.
 #pragma once
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -78,5 +79,20 @@ void set_num_threads(int n);
 void set_idle_spin_us(int us);
 int idle_spin_us();
 int default_num_threads();
+
+// Runs rows(r0, r1) over [0, n) rows: on the calling thread when the call touches fewer than 2^15 values (handing
+// off costs more than it saves), else on the pool in up to 4 tasks a thread. The small ops of a decode step
+// (norms, rotary, GDN steps) share it.
+template <class Fn>
+void parallel_rows(int64_t n, int64_t values, Fn&& rows) {
+  constexpr int64_t kSerialValues = 1 << 15;
+  if (n <= 1 || values < kSerialValues) {
+    if (n > 0) rows(int64_t{0}, n);
+    return;
+  }
+  auto pool = global_pool();
+  const int64_t tasks = std::min<int64_t>(n, 4 * pool->num_threads());
+  pool->parallel_for(tasks, [&](int64_t i) { rows(i * n / tasks, (i + 1) * n / tasks); });
+}
 
 }  // namespace kt

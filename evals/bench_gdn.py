@@ -27,13 +27,25 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_kernel import cpu_model  # noqa: E402
-from kt_serve.sglang_plugin.qwen35_ops import install_qwen35_cpu_ops, rms_norm_gated  # noqa: E402
+from kt_serve.sglang_plugin.qwen35_ops import (RMS_NORM_GATED_FORWARD, install_qwen35_cpu_ops,  # noqa: E402
+                                                rms_norm_gated_forward_hook)
 
 HK, HV, D, WIDTH = 16, 32, 128, 4
 CONV_DIM = 2 * HK * D + HV * D
 ATTN_HEADS, ATTN_KV, ATTN_D = 16, 2, 256
 GDN_LAYERS = 30
 BF = torch.bfloat16
+
+
+def gated_norm(weight):
+    """SGLang's fla RMSNorm module as Qwen3.5 builds it (norm before a SiLU gate), run through the plugin's hook."""
+    import importlib
+
+    module = importlib.import_module(RMS_NORM_GATED_FORWARD.rsplit(".", 2)[0]).RMSNorm(
+        D, eps=1e-6, group_size=None, norm_before_gate=True, dtype=BF)
+    with torch.no_grad():
+        module.weight.copy_(weight)
+    return lambda x, z: rms_norm_gated_forward_hook(None, module, x, z)
 
 
 def timeit(fn, budget_s=0.6, min_reps=5, max_reps=200):
@@ -63,6 +75,7 @@ def decode_cases(batch: int, ops):
     cu = torch.arange(batch + 1, dtype=torch.int32)
     qkvz, ba = rnd(batch, 2 * HK * D + 2 * HV * D), rnd(batch, 2 * HV)
     core, z, norm_w = rnd(batch * HV, D), rnd(batch, HV, D), rnd(D)
+    norm = gated_norm(norm_w)
     qkv = rnd(batch, (2 * ATTN_HEADS + 2 * ATTN_KV) * ATTN_D)
     q_gate, k_att, _ = qkv.split([2 * ATTN_HEADS * ATTN_D, ATTN_KV * ATTN_D, ATTN_KV * ATTN_D], dim=-1)
     attn_out, gate = rnd(batch, ATTN_HEADS * ATTN_D), rnd(batch, ATTN_HEADS * ATTN_D) + 6  # in place, repeated
@@ -79,7 +92,7 @@ def decode_cases(batch: int, ops):
         ("fused_gdn_gating_cpu", f"[{batch}, {HV}]", lambda: ops.fused_gdn_gating_cpu(A_log, a, b, dt_bias)),
         ("fused_qkvzba_split_reshape_cat_contiguous_cpu", f"[{batch}, {qkvz.shape[1]}]",
          lambda: ops.fused_qkvzba_split_reshape_cat_contiguous_cpu(qkvz, ba, HK, HV, D, D)),
-        ("RMSNormGated (hook)", f"[{batch * HV}, {D}]", lambda: rms_norm_gated(core, norm_w, None, z, 1e-6)),
+        ("RMSNormGated (hook)", f"[{batch * HV}, {D}]", lambda: norm(core, z)),
         ("fused_qk_gemma_rmsnorm_with_gate_cpu", f"{ATTN_HEADS}/{ATTN_KV} heads x {ATTN_D}",
          lambda: ops.fused_qk_gemma_rmsnorm_with_gate_cpu(q_gate, k_att, norm_w.repeat(2), norm_w.repeat(2), 1e-6,
                                                           ATTN_D, ATTN_HEADS)),
@@ -104,6 +117,7 @@ def prefill_cases(tokens: int, ops):
         gate_g, beta = -torch.rand(1, tokens, HV, generator=g) * 0.1, torch.rand(1, tokens, HV, generator=g).to(BF)
         a, b, A_log, dt_bias = rnd(tokens, HV), rnd(tokens, HV), torch.rand(HV, generator=g), rnd(HV)
         core, z, norm_w = rnd(tokens * HV, D), rnd(tokens, HV, D), rnd(D)
+        norm = gated_norm(norm_w)
         label = f"{n_seq} x {tokens // n_seq} tokens"
         yield ("prefill", tokens, "causal_conv1d_fwd_cpu", f"{label}, dim {CONV_DIM}",
                lambda: ops.causal_conv1d_fwd_cpu(x.t(), weight, None, conv_pool, qsl, idx, has_init, True, -1, False))
@@ -113,7 +127,7 @@ def prefill_cases(tokens: int, ops):
             yield ("prefill", tokens, "fused_gdn_gating_cpu", f"[{tokens}, {HV}]",
                    lambda: ops.fused_gdn_gating_cpu(A_log, a, b, dt_bias))
             yield ("prefill", tokens, "RMSNormGated (hook)", f"[{tokens * HV}, {D}]",
-                   lambda: rms_norm_gated(core, norm_w, None, z, 1e-6))
+                   lambda: norm(core, z))
 
 
 def main(argv=None) -> int:

@@ -63,18 +63,18 @@ def recurrent_step(A_log, dt_bias, q, k, v, a, b, states: torch.Tensor, indices:
     if not (_heads(q, hk, dk) and _heads(k, hk, dk) and _heads(v, hv, dv)) or k.shape[:2] != q.shape[:2] \
             or v.shape[:2] != q.shape[:2] or states.shape[1:] != (hv, dk, dv):
         return None
-    if any(t.dtype != BF16 or t.shape != (batch, hv) or t.stride(1) != 1 for t in (a, b)) \
-            or A_log.numel() != hv or dt_bias.numel() != hv or hv % hk:
+    if any(t.dtype != BF16 or t.shape != (batch, hv) or t.stride(1) != 1 for t in (a, b)) or hv % hk \
+            or any(t.numel() != hv or t.dtype not in (BF16, torch.float32) or not t.is_contiguous()
+                   for t in (A_log, dt_bias)):
         return None
     idx = _slots(indices)
     out = torch.empty(batch, 1, hv, dv, dtype=BF16)
     if batch:
-        A = A_log.float().contiguous()
-        dt = dt_bias.float().contiguous()
         s0, s1, s2, s3 = states.stride()
         _kernel.gdn_recurrent_step(batch, hk, hv, dk, dv, q.data_ptr(), q.stride(1), k.data_ptr(), k.stride(1),
                                    v.data_ptr(), v.stride(1), a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0),
-                                   A.data_ptr(), dt.data_ptr(), states.data_ptr(), states.shape[0], s0, s1, s2, s3,
+                                   A_log.data_ptr(), A_log.dtype == BF16, dt_bias.data_ptr(), dt_bias.dtype == BF16,
+                                   states.data_ptr(), states.shape[0], s0, s1, s2, s3,
                                    idx.data_ptr(), bool(l2norm), float(softplus_beta), float(softplus_threshold),
                                    out.data_ptr())
     return out

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kt_serve.norm import gemma_rms_norm, rms_norm
+from kt_serve.norm import gated_rms_norm, gemma_rms_norm, rms_norm
 
 
 def reference(x, w, eps, residual=None):
@@ -100,3 +100,13 @@ def test_gemma_hook_on_sglang_module_follows_weight_updates():
             assert torch.equal(res, want_res) and ulps(y, want_y) <= 1.0
             assert ulps(cpu_norm.gemma_rms_norm_forward_native(original, norm, x), original(norm, x)) <= 1.0
             norm.weight.mul_(-3.0)  # the second round must see the new weight
+
+
+def test_gated_bad_arguments_raise_clear_errors():
+    x, z, w = torch.zeros(2, 16).bfloat16(), torch.zeros(2, 16).bfloat16(), torch.ones(16)
+    with pytest.raises(ValueError, match=r"weight \(and bias\) must be fp32"):
+        gated_rms_norm(x, z, w.bfloat16(), 1e-6, 16)
+    with pytest.raises(ValueError, match="x and z must be bf16 with rows of 16 values"):
+        gated_rms_norm(x, torch.zeros(2, 15).bfloat16(), w, 1e-6, 16)
+    with pytest.raises(ValueError, match=r"the group \(5\) must divide the row \(16\)"):
+        gated_rms_norm(x, z, w, 1e-6, 5)

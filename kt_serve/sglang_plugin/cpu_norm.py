@@ -53,10 +53,9 @@ def fp32_weight(norm, plus_one: bool = False) -> torch.Tensor:
     (a reload recomputes it)."""
     w = norm.weight
     value = lambda: ((1.0 if plus_one else 0.0) + w.detach().float()).contiguous()  # noqa: E731
-    try:
-        key = (w.data_ptr(), w._version, plus_one)
-    except RuntimeError:  # an inference-mode tensor tracks no version: computed every call
+    if w.is_inference():  # an inference-mode tensor tracks no version: computed every call
         return value()
+    key = (w.data_ptr(), w._version, plus_one)
     cached = getattr(norm, "_kt_fp32_weight", None)
     if cached is None or cached[0] != key:
         cached = (key, value())

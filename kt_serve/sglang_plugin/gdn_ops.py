@@ -18,12 +18,24 @@ Layouts (SGLang's mamba pool, ``mem_cache/memory_pool.py``):
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
 from kt_serve import gdn
 
+logger = logging.getLogger(__name__)
 USE_KERNEL = True  # False: the torch formulas below for every input (the tests hold both to transformers)
+_declined: set = set()
+
+
+def _on_torch(op: str, **tensors) -> None:
+    """Says once per op that a decode step runs the torch formulas: inputs the C++ path does not take."""
+    if op not in _declined:
+        _declined.add(op)
+        shapes = ", ".join(f"{k} {getattr(t, 'dtype', t)} {tuple(getattr(t, 'shape', ()))}" for k, t in tensors.items())
+        logger.info("kt_serve: GDN %s on torch formulas, not the C++ decode path (inputs: %s)", op, shapes)
 CHUNK = 64  # the real kernel's chunk size (fla.cpp) and transformers' default
 CHUNKS_PER_BLOCK = 32  # intra-chunk tensors are built this many chunks at a time (bounds prefill memory)
 
@@ -145,6 +157,7 @@ def causal_conv1d_update_cpu(x, conv_states, weight, bias, silu_activation, cach
         out = gdn.conv_update(x, conv_states, weight, bias, silu_activation, conv_state_indices)
         if out is not None:
             return out
+        _on_torch("conv update", x=x, conv_states=conv_states, weight=weight)
     batch, dim = x.shape
     width = weight.shape[-1]
     if conv_state_indices is None:
@@ -191,6 +204,7 @@ def fused_sigmoid_gating_delta_rule_update_cpu(A_log, dt_bias, q, k, v, a, b, in
                                  softplus_beta, softplus_threshold)
         if out is not None:
             return out
+        _on_torch("recurrent step", q=q, v=v, a=a, states=pool)
     slots = initial_state_indices.tolist()
     rows = None
     if min(slots, default=0) < 0:  # padding rows (PAD_SLOT_ID): zero output, no state

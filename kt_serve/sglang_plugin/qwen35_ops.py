@@ -15,6 +15,7 @@ gdn_ops.
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 
 import torch
@@ -23,6 +24,8 @@ import torch.nn.functional as F
 from . import gdn_ops
 
 RMS_NORM_GATED_FORWARD = "sglang.kernels.ops.attention.fla.layernorm_gated.RMSNorm.forward"
+logger = logging.getLogger(__name__)
+_torch_norm_logged: list = []  # said once: a gated norm the C++ pass does not take
 
 
 # ---------------------------------------------------------------------------------------------- norms and gates
@@ -108,6 +111,10 @@ def rms_norm_gated_forward_hook(original, module, x, z=None):
         bias = None if module.bias is None else module.bias.detach().float()
         return gated_rms_norm(x, z, fp32_weight(module), module.eps, module.group_size or x.shape[-1], bias,
                               module.activation == "sigmoid")
+    if not _torch_norm_logged:
+        _torch_norm_logged.append(True)
+        logger.info("kt_serve: gated RMSNorm on its torch formula, not the C++ pass (x %s, z %s, norm before the "
+                    "gate: %s)", x.dtype, getattr(z, "dtype", None), module.norm_before_gate)
     return rms_norm_gated(x, module.weight, module.bias, z, module.eps, module.group_size, module.norm_before_gate,
                           module.activation)
 
