@@ -8,18 +8,18 @@
 #include <string>
 #include <vector>
 
-#include "decode_attention.h"
-#include "decode_stack.h"
-#include "dense_linear.h"
-#include "dropout.h"
-#include "gdn.h"
-#include "kernels.h"
-#include "lora_segments.h"
-#include "moe_lora.h"
-#include "rms_norm.h"
-#include "rotary.h"
-#include "router.h"
-#include "thread_pool.h"
+#include "common/thread_pool.h"
+#include "isa/kernels.h"
+#include "moe/dropout.h"
+#include "moe/experts.h"
+#include "moe/router.h"
+#include "ops/attention.h"
+#include "ops/decode_stack.h"
+#include "ops/gdn.h"
+#include "ops/linear.h"
+#include "ops/lora_segments.h"
+#include "ops/norm.h"
+#include "ops/rotary.h"
 
 namespace py = pybind11;
 using kt::bf16;
@@ -113,7 +113,7 @@ PYBIND11_MODULE(_kernel, m) {
         kt::lora_shrink(k, segments(n, adapters, seg_lens, weight_indices, ranks, scalings), T, K, ptr<const bf16>(x),
                         ldx, ptr<const bf16>(w), w_rows, slices, ptr<bf16>(out), ldo);
       },
-      "Segmented LoRA shrink of SGLang's LoRA batch (csrc/lora_segments.h).");
+      "Segmented LoRA shrink of SGLang's LoRA batch (csrc/ops/lora_segments.h).");
   m.def(
       "lora_expand",
       [segments](int n, int adapters, uintptr_t seg_lens, uintptr_t weight_indices, uintptr_t ranks, int T,
@@ -124,7 +124,7 @@ PYBIND11_MODULE(_kernel, m) {
         kt::lora_expand(k, segments(n, adapters, seg_lens, weight_indices, ranks, 0), T, ptr<const bf16>(a), lda,
                         ptr<const bf16>(w), w_rows, max_rank, ptr<const int32_t>(offsets), slices, ptr<bf16>(y), ldy);
       },
-      "Segmented LoRA expand, added to y in place (csrc/lora_segments.h).");
+      "Segmented LoRA expand, added to y in place (csrc/ops/lora_segments.h).");
   m.def(
       "route_and_forward",
       [](const kt::DenseLinear& gate, kt::MoELoRA& experts, int T, int k, bool renormalize, uintptr_t x,
@@ -133,14 +133,14 @@ PYBIND11_MODULE(_kernel, m) {
         kt::route_and_forward(gate, experts, T, k, renormalize, ptr<const bf16>(x), ptr<const int32_t>(slots),
                               uniform_slot, ptr<bf16>(out));
       },
-      "A MoE block: the experts routed by softmax top-k of the gate's logits (csrc/router.h).");
+      "A MoE block: the experts routed by softmax top-k of the gate's logits (csrc/moe/router.h).");
   m.def(
       "softmax_topk",
       [](int T, int E, uintptr_t logits, int64_t ld, int k, bool renormalize, uintptr_t ids, uintptr_t weights) {
         py::gil_scoped_release nogil;
         kt::softmax_topk(T, E, ptr<const bf16>(logits), ld, k, renormalize, ptr<int32_t>(ids), ptr<float>(weights));
       },
-      "Softmax top-k routing of T rows of bf16 logits (csrc/router.h).");
+      "Softmax top-k routing of T rows of bf16 logits (csrc/moe/router.h).");
   m.def(
       "dropout_keep_mask",
       [](uint64_t seed, int proj, int64_t rows, int cols, double p, uintptr_t out) {
@@ -148,7 +148,7 @@ PYBIND11_MODULE(_kernel, m) {
         kt::dropout_keep_mask(seed, proj, rows, cols, p, ptr<uint8_t>(out));
       },
       py::arg("seed"), py::arg("proj"), py::arg("rows"), py::arg("cols"), py::arg("p"), py::arg("out"),
-      "Writes the LoRA dropout keep mask (csrc/dropout.h) of rows t*k + j < rows as 0/1 bytes [rows, cols].");
+      "Writes the LoRA dropout keep mask (csrc/moe/dropout.h) of rows t*k + j < rows as 0/1 bytes [rows, cols].");
   py::class_<kt::DenseLinear>(m, "DenseLinear")
       .def(py::init([](int N, int K, uintptr_t w, int64_t ldw, const std::string& format, int group,
                        const std::string& isa) {
@@ -180,7 +180,7 @@ PYBIND11_MODULE(_kernel, m) {
         kt::rms_norm(M, H, ptr<const bf16>(x), ptr<const bf16>(residual), ld, ptr<const bf16>(w), eps, ptr<bf16>(y),
                      ptr<bf16>(residual_out));
       },
-      "RMSNorm of M bf16 rows (optionally after adding a residual); see csrc/rms_norm.h");
+      "RMSNorm of M bf16 rows (optionally after adding a residual); see csrc/ops/norm.h");
   m.def(
       "rms_norm_gemma",
       [](int M, int H, uintptr_t x, uintptr_t residual, int64_t ld, uintptr_t w1, float eps, uintptr_t y,
@@ -189,7 +189,7 @@ PYBIND11_MODULE(_kernel, m) {
         kt::rms_norm_gemma(M, H, ptr<const bf16>(x), ptr<const bf16>(residual), ld, ptr<const float>(w1), eps,
                            ptr<bf16>(y), ptr<bf16>(residual_out));
       },
-      "Gemma's RMSNorm of M bf16 rows (weight 1 + w in fp32; the residual added in bf16); see csrc/rms_norm.h");
+      "Gemma's RMSNorm of M bf16 rows (weight 1 + w in fp32; the residual added in bf16); see csrc/ops/norm.h");
   m.def(
       "rms_norm_gated",
       [](int M, int N, int group, uintptr_t x, uintptr_t z, uintptr_t w, uintptr_t b, float eps, bool sigmoid_gate,
@@ -199,7 +199,7 @@ PYBIND11_MODULE(_kernel, m) {
         kt::rms_norm_gated(M, N, group, ptr<const bf16>(x), ptr<const bf16>(z), ptr<const float>(w),
                            ptr<const float>(b), eps, sigmoid_gate, ptr<bf16>(out), kern);
       },
-      "fla's gated RMSNorm (norm before the gate, SiLU or sigmoid gate) of M bf16 rows; see csrc/rms_norm.h");
+      "fla's gated RMSNorm (norm before the gate, SiLU or sigmoid gate) of M bf16 rows; see csrc/ops/norm.h");
   m.def(
       "qk_norm_rope",
       [](int T, uintptr_t qkv, int64_t ld, int q_heads, int kv_heads, int D, uintptr_t q_w, uintptr_t k_w, double q_eps,
@@ -212,8 +212,8 @@ PYBIND11_MODULE(_kernel, m) {
         kt::rotary_embedding(T, ptr<const int64_t>(positions), ptr<const float>(cos_sin), max_position, rotary_dim, D,
                              neox, {q, ld, q_heads}, {k, ld, kv_heads});
       },
-      "Qwen3 attention's q / k RMSNorm per head then rotary embedding, in place in qkv rows (csrc/rms_norm.h, "
-      "csrc/rotary.h)");
+      "Qwen3 attention's q / k RMSNorm per head then rotary embedding, in place in qkv rows (csrc/ops/norm.h, "
+      "csrc/ops/rotary.h)");
   m.def(
       "rotary_embedding",
       [](int T, uintptr_t positions, uintptr_t cos_sin, int64_t max_position, int rotary_dim, int head_size, bool neox,
@@ -222,7 +222,7 @@ PYBIND11_MODULE(_kernel, m) {
         kt::rotary_embedding(T, ptr<const int64_t>(positions), ptr<const float>(cos_sin), max_position, rotary_dim,
                              head_size, neox, {ptr<bf16>(q), q_ld, q_heads}, {ptr<bf16>(k), k_ld, k_heads});
       },
-      "Rotary position embedding of bf16 q and k heads in place, from an fp32 cos/sin cache; see csrc/rotary.h");
+      "Rotary position embedding of bf16 q and k heads in place, from an fp32 cos/sin cache; see csrc/ops/rotary.h");
   m.def(
       "decode_attention",
       [](int B, int Hq, int Hkv, int D, int Dv, uintptr_t q, int64_t ldq, uintptr_t k, int64_t ldk, uintptr_t v,
@@ -238,7 +238,7 @@ PYBIND11_MODULE(_kernel, m) {
                              ptr<const int64_t>(req_pool_indices), ptr<const int64_t>(seq_lens), scale, ptr<bf16>(out),
                              ldo, kern);
       },
-      "Decode attention of B requests over a paged bf16 KV cache; see csrc/decode_attention.h");
+      "Decode attention of B requests over a paged bf16 KV cache; see csrc/ops/attention.h");
   m.def(
       "gdn_conv_update",
       [](int B, int dim, int K, uintptr_t x, int64_t ldx, uintptr_t states, int64_t slots, int64_t slot_stride,
@@ -250,7 +250,7 @@ PYBIND11_MODULE(_kernel, m) {
         kt::gdn_conv_update(B, dim, K, ptr<const bf16>(x), ldx, st, ptr<const int32_t>(indices), ptr<const bf16>(w),
                             ptr<const bf16>(bias), silu, ptr<bf16>(out), ldo, kern);
       },
-      "Gated DeltaNet causal conv1d of one token per request, conv states updated in place; see csrc/gdn.h");
+      "Gated DeltaNet causal conv1d of one token per request, conv states updated in place; see csrc/ops/gdn.h");
   m.def(
       "gdn_recurrent_step",
       [](int B, int Hk, int Hv, int Dk, int Dv, uintptr_t q, int64_t ldq, uintptr_t k, int64_t ldk, uintptr_t v,
@@ -268,7 +268,7 @@ PYBIND11_MODULE(_kernel, m) {
         kt::gdn_recurrent_step(B, Hk, Hv, Dk, Dv, in, st, ptr<const int32_t>(indices), l2norm, softplus_beta,
                                softplus_threshold, ptr<bf16>(out));
       },
-      "One recurrent gated delta-rule step per request, states updated in place; see csrc/gdn.h");
+      "One recurrent gated delta-rule step per request, states updated in place; see csrc/ops/gdn.h");
   py::class_<kt::DecodeStack>(m, "DecodeStack")
       .def(py::init([](int H, int Hq, int Hkv, int D, uintptr_t final_norm, float final_eps, const std::string& isa) {
              return new kt::DecodeStack(H, Hq, Hkv, D, ptr<const bf16>(final_norm), final_eps,
@@ -322,7 +322,7 @@ PYBIND11_MODULE(_kernel, m) {
                        ptr<const int64_t>(cache_loc), ptr<const int32_t>(slots), uniform_slot,
                        seg_lens ? &lora : nullptr);
            },
-           "A Qwen3-MoE decoder stack's decode step in one call (csrc/decode_stack.h).");
+           "A Qwen3-MoE decoder stack's decode step in one call (csrc/ops/decode_stack.h).");
   m.def("set_num_threads", &kt::set_num_threads, py::arg("n"),
         "Size of the global worker pool (caller included); n < 1 means the default (physical cores).");
   m.def("num_threads", [] { return kt::global_pool()->num_threads(); });

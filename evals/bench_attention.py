@@ -1,5 +1,5 @@
 """Benchmark of a CPU decode step's attention: kt_serve's decode attention (the plugin's kt_cpu backend,
-kt_serve/attention.py) against SGLang's torch_native decode (what a CPU host without AMX runs otherwise: a Python
+kt_serve/kernel/attention.py) against SGLang's torch_native decode (what a CPU host without AMX runs otherwise: a Python
 loop over requests, each a gather and an SDPA call), and against the read bandwidth of a plain streaming loop, in
 one process.
 
@@ -19,7 +19,7 @@ import statistics
 import sys
 import time
 
-from kt_serve.cpu_threads import share_cores_with_torch
+from kt_serve.kernel.threads import share_cores_with_torch
 
 share_cores_with_torch()
 
@@ -28,8 +28,8 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_kernel import cpu_model, l3_bytes, measure_bandwidth_gbs  # noqa: E402
 
-from kt_serve.attention import decode_attention  # noqa: E402
-from kt_serve.kernel import cpu_isa, num_threads, set_num_threads  # noqa: E402
+from kt_serve.kernel.attention import decode_attention  # noqa: E402
+from kt_serve.kernel.threads import cpu_isa, num_threads, set_num_threads  # noqa: E402
 
 HQ, HKV, D = 32, 4, 128
 

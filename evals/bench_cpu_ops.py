@@ -1,5 +1,5 @@
 """Benchmark of the small ops of a CPU decode step that the plugin runs in one C++ pass (--kt-cpu-ops): rotary
-embedding (kt_serve/rotary.py) and RMSNorm (kt_serve/norm.py) against SGLang's own ``forward_native`` (what its CPU
+embedding (kt_serve/kernel/rotary.py) and RMSNorm (kt_serve/kernel/norm.py) against SGLang's own ``forward_native`` (what its CPU
 engine runs without AMX), in one process, at Qwen3-30B-A3B's shapes (32 q / 4 kv heads of 128, hidden 2048).
 
     python evals/bench_cpu_ops.py [--tokens 1 8 512] [--repeats 200] [--cold]
@@ -17,7 +17,7 @@ import statistics
 import sys
 import time
 
-from kt_serve.cpu_threads import share_cores_with_torch
+from kt_serve.kernel.threads import share_cores_with_torch
 
 share_cores_with_torch()
 
@@ -26,9 +26,9 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_kernel import cpu_model  # noqa: E402
 
-from kt_serve.kernel import cpu_isa, num_threads  # noqa: E402
-from kt_serve.norm import rms_norm  # noqa: E402
-from kt_serve.rotary import qk_norm_rope, rotary_embedding  # noqa: E402
+from kt_serve.kernel.threads import cpu_isa, num_threads  # noqa: E402
+from kt_serve.kernel.norm import rms_norm  # noqa: E402
+from kt_serve.kernel.rotary import qk_norm_rope, rotary_embedding  # noqa: E402
 
 HQ, HKV, D, HIDDEN = 32, 4, 128, 2048
 

@@ -19,7 +19,7 @@ import statistics
 import sys
 import time
 
-from kt_serve.cpu_threads import share_cores_with_torch
+from kt_serve.kernel.threads import share_cores_with_torch
 
 share_cores_with_torch()
 
@@ -29,8 +29,8 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_kernel import cpu_model, l3_bytes, measure_bandwidth_gbs  # noqa: E402
 
-from kt_serve.dense import PackedLinear  # noqa: E402
-from kt_serve.kernel import cpu_isa, num_threads, set_num_threads  # noqa: E402
+from kt_serve.kernel.linear import PackedLinear  # noqa: E402
+from kt_serve.kernel.threads import cpu_isa, num_threads, set_num_threads  # noqa: E402
 
 SHAPES = {"qkv_proj": (5120, 2048), "o_proj": (2048, 4096), "lm_head": (16384, 2048)}  # (out, in)
 

@@ -19,7 +19,7 @@ import statistics
 import sys
 import time
 
-from kt_serve.cpu_threads import share_cores_with_torch
+from kt_serve.kernel.threads import share_cores_with_torch
 
 share_cores_with_torch()  # as the plugin does for the server; before torch loads its OpenMP runtime
 
@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_kernel import cpu_model  # noqa: E402
-from kt_serve.sglang_plugin.qwen35_ops import (RMS_NORM_GATED_FORWARD, install_qwen35_cpu_ops,  # noqa: E402
+from kt_serve.sglang_plugin.models.qwen35 import (RMS_NORM_GATED_FORWARD, install_qwen35_cpu_ops,  # noqa: E402
                                                 rms_norm_gated_forward_hook)
 
 HK, HV, D, WIDTH = 16, 32, 128, 4

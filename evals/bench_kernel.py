@@ -18,7 +18,7 @@ stream`` = its time / ours is the share of the bandwidth the machine gave then (
 minutes, which a figure from the start of the run cannot follow).
 ``--isa`` takes a comma list of kernel tables: each gets its own row set (the baselines are measured once), then
 every table's time over the first one's per T. ``--formats`` takes a comma list of base-weight formats (bf16, int8,
-int4, fp8; csrc/weight_format.h): each (table, format) gets its row set, then each format's speed-up over bf16
+int4, fp8; csrc/weights/weight_format.h): each (table, format) gets its row set, then each format's speed-up over bf16
 on the same table. The torch baseline runs bf16 weights; kt-kernel runs its class for the same format (bf16
 AMXBF16_SFT, int8 INT8_SFT, int4 AMXINT4_SFT or ``--kt-int4 RAWINT4_SFT``, fp8 AMXFP8_SFT; see KTKernel), and
 ``vs_kt`` compares same-format rows. Run it from a venv holding kt-kernel (launch/install_kt_kernel.sh:
@@ -36,15 +36,16 @@ import sys
 import tempfile
 import time
 
-from kt_serve.cpu_threads import share_cores_with_torch
+from kt_serve.kernel.threads import share_cores_with_torch
 
 share_cores_with_torch()  # as the plugin does for the server; before torch loads its OpenMP runtime
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kt_serve.kernel import ExpertLoRA, MoEExperts, cpu_isa, num_threads, set_num_threads  # noqa: E402
-from kt_serve.kernel_weights import expert_bytes  # noqa: E402
+from kt_serve.kernel.experts import ExpertLoRA, MoEExperts  # noqa: E402
+from kt_serve.kernel.threads import cpu_isa, num_threads, set_num_threads  # noqa: E402
+from kt_serve.kernel.weights import expert_bytes  # noqa: E402
 
 
 ROUTINGS = 16  # inputs per T, one per call in turn

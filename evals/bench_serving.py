@@ -36,7 +36,7 @@ are against the "kt base", "sglang" and llama.cpp rows of the same run (kt base/
 base/expert/mixed). Prefill tok/s: one 512-token prompt, one output token, median of three prompts per turn. Latency: p50/p90/p99 of request latency and of per-token time
 (request latency / completion tokens). Peak RSS sums every process of the server's session; "RSS after load" is
 the same sum once the server is ready, before any request (the weights as served, no bf16 copy left behind).
-Writes OUT/bench_serving.{json,md,png} (evals/report.py) besides printing the table.
+Writes OUT/bench_serving.{json,md,png} (kt_serve/harness/report.py) besides printing the table.
 
 Before the servers, the MoE layer alone at the model's shape, in this process: SGLang's own CPU MoE path
 (``moe_forward_native``, what the CPU engine runs without AMX sgl_kernel ops) vs the kt_serve kernel, base and
@@ -60,23 +60,23 @@ from pathlib import Path
 import psutil
 import statistics
 
-from kt_serve.cpu_threads import TORCH_OMP_SPIN, share_cores_with_torch
+from kt_serve.kernel.threads import TORCH_OMP_SPIN, share_cores_with_torch
 
 # What the plugin does for its servers, here for the in-process MoE-layer part (before torch loads its OpenMP
 # runtime); the SGLang-only server gets the environment as the user left it.
 USER_ENV = {TORCH_OMP_SPIN[0]: os.environ.get(TORCH_OMP_SPIN[0])}
 share_cores_with_torch()
 
-from kt_serve.kernel import cpu_isa, num_threads  # noqa: E402
-from kt_serve.server import SGLangServer  # noqa: E402
-from kt_serve.tiny_model import FAMILIES, build_tiny_moe  # noqa: E402
+from kt_serve.kernel.threads import cpu_isa, num_threads  # noqa: E402
+from kt_serve.harness.server import SGLangServer  # noqa: E402
+from kt_serve.harness.tiny_model import FAMILIES, build_tiny_moe  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from serving_reference import write_expert_peft_adapter, write_kt_adapter  # noqa: E402
 from evals.bench_kernel import cpu_model  # noqa: E402
 from evals.llamacpp import LlamaCpp, LlamaCppUnavailable, LlamaServer  # noqa: E402
-from evals.report import write_report  # noqa: E402
+from kt_serve.harness.report import write_report  # noqa: E402
 
 LLAMA_ROWS = ("llama.cpp base", "llama.cpp expert", "llama.cpp mixed")
 LLAMA_PEER = {"kt base": "llama.cpp base", "kt expert": "llama.cpp expert", "kt mixed": "llama.cpp mixed"}
@@ -205,7 +205,8 @@ def moe_layer_bench(a, rounds: int = 5) -> list[dict]:
     from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
     from sglang.srt.layers.moe.topk import StandardTopKOutput
 
-    from kt_serve.kernel import ExpertLoRA, MoEExperts, num_threads
+    from kt_serve.kernel.experts import ExpertLoRA, MoEExperts
+    from kt_serve.kernel.threads import num_threads
 
     E, H, I, k, r, L = a.experts, a.hidden, a.moe_intermediate, a.top_k, 8, a.layers
     torch.set_num_threads(num_threads())

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 import train_reference as ref  # noqa: E402
 
 import kt_serve  # noqa: E402
-from kt_serve.tiny_model import build_tiny_moe  # noqa: E402
+from kt_serve.harness.tiny_model import build_tiny_moe  # noqa: E402
 from kt_serve.train import load_config  # noqa: E402
 from kt_serve.train.data import SFTDataset  # noqa: E402
 from kt_serve.train.model import TrainModel  # noqa: E402
@@ -83,7 +83,7 @@ def bench_shape(name, root: Path, steps: int, threads: int | None, devices: list
         overrides.append(f"kt_config.threads={threads}")
     from transformers import AutoTokenizer
 
-    from kt_serve.kernel import set_num_threads
+    from kt_serve.kernel.threads import set_num_threads
 
     if threads:
         set_num_threads(threads)
@@ -196,7 +196,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    from kt_serve.kernel import cpu_isa, num_threads
+    from kt_serve.kernel.threads import cpu_isa, num_threads
 
     if a.memory_child:
         memory_child(a.memory_child, a.root, a.cutoff_len, a.steps)

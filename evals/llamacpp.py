@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kt_serve.server import SGLangServer
+from kt_serve.harness.server import SGLangServer
 
 VERSION = "0.3.36"  # llama-cpp-python release whose vendored llama.cpp we build (see shared notes)
 CACHE = Path(os.environ.get("KT_SERVE_CACHE", Path.home() / ".cache" / "kt_serve")) / f"llama.cpp-{VERSION}"

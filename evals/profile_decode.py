@@ -39,8 +39,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serving import PRESETS, stream_prompt  # noqa: E402
 
-from kt_serve.server import SGLangServer  # noqa: E402
-from kt_serve.tiny_model import build_tiny_moe  # noqa: E402
+from kt_serve.harness.server import SGLangServer  # noqa: E402
+from kt_serve.harness.tiny_model import build_tiny_moe  # noqa: E402
 
 PY_SPY = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
 # Part of the step -> frame names (py-spy's function names) whose inclusive samples it takes, first match wins.
@@ -51,7 +51,7 @@ PARTS = [
     ("dense linears (q/k/v/o, gate, shared)", ("UnquantizedLinearMethod.apply", "linear_apply")),
     ("attention", ("KTCPUAttnBackend.forward_decode", "TorchNativeAttnBackend.forward_decode",
                    "TorchNativeAttnBackend.forward_extend")),
-    # Qwen3.5's Gated DeltaNet layers: kt_serve's CPU ops (sglang_plugin/gdn_ops.py, qwen35_ops.py)
+    # Qwen3.5's Gated DeltaNet layers: kt_serve's CPU ops (sglang_plugin/models/qwen35_gdn.py, qwen35_ops.py)
     ("GDN ops (conv, delta rule, gating, gated norm, qkvz split)",
      ("causal_conv1d_update_cpu", "causal_conv1d_fwd_cpu", "causal_conv1d_fn_cpu",
       "fused_sigmoid_gating_delta_rule_update_cpu", "chunk_gated_delta_rule_cpu", "fused_gdn_gating_cpu",

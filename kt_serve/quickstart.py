@@ -32,7 +32,7 @@ from pathlib import Path
 
 import yaml
 
-from kt_serve.server import kill_process_group
+from kt_serve.harness.server import kill_process_group
 
 DATA = Path(__file__).parent / "data"
 EXAMPLE_DATASET = DATA / "example_dataset"
@@ -126,7 +126,7 @@ def stage_base_model(args, out: Path) -> Path:
             raise StageError(f"--model-path {model}: not a Hugging Face model directory (no config.json)")
         say(f"  using your model {model}")
         return model
-    from kt_serve.pretrain import PretrainRecipe, pretrain_base
+    from kt_serve.harness.pretrain import PretrainRecipe, pretrain_base
 
     recipe = PretrainRecipe(family=args.family, steps=args.size.pretrain_steps,
                             **({"num_layers": 4} if args.family == "qwen3_5_moe" else {}))  # 3 GDN + 1 full
@@ -204,9 +204,8 @@ def eval_dataset(args, out: Path) -> tuple[Path, int]:
 
 
 def stage_serve_and_eval(args, out: Path, model: Path, adapter: Path, progress: "Progress") -> dict:
-    from kt_serve.server import ServerStartError, SGLangServer
-
-    EvalError, run_eval = _eval_harness()
+    from kt_serve.harness.eval_adapter import EvalError, run_eval
+    from kt_serve.harness.server import ServerStartError, SGLangServer
 
     served = model.name or "model"
     server = SGLangServer(model, server_args(args, adapter, served), port=args.port, log_path=out / "server.log",
@@ -236,15 +235,6 @@ def stage_serve_and_eval(args, out: Path, model: Path, adapter: Path, progress: 
         server.stop()
         say("  server stopped")
     return result
-
-
-def _eval_harness():
-    try:
-        from evals import eval_adapter
-    except ImportError:  # evals/ sits beside the package in the source checkout, outside the installed package
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        from evals import eval_adapter
-    return eval_adapter.EvalError, eval_adapter.run_eval
 
 
 def _last_line(path: Path) -> str:
@@ -320,7 +310,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "hybrid, trained with lora_target: all)")
     p.add_argument("--steps", type=int, help="training steps of stage 2 (default: 150, --small: 100)")
     p.add_argument("--small", action="store_true", help="reduced size (fewer steps and prompts), as the test runs it")
-    p.add_argument("--eval-dataset", default=str(EVAL_DATASET), help="JSONL for evals/eval_adapter.py "
+    p.add_argument("--eval-dataset", default=str(EVAL_DATASET), help="JSONL for kt_serve.harness.eval_adapter "
                    "(default: the shipped held-out pirate prompts)")
     p.add_argument("--max-tokens", type=int, help="tokens per eval answer (default: 32, --small: 24)")
     p.add_argument("--threads", type=int, help="CPU threads of the expert kernel (training and serving) and of "

@@ -25,5 +25,5 @@ if [ "$("$venv/bin/python" -m pip show kt-kernel 2>/dev/null | sed -n 's/^Versio
   echo "[install_kt] kt-kernel 0.7.2 (--no-deps)"
   "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps "$wheel"
 fi
-"$venv/bin/python" -c 'import torch, kt_kernel, kt_serve.kernel
+"$venv/bin/python" -c 'import torch, kt_kernel, kt_serve.kernel.experts
 print("[install_kt] ok: kt_kernel", getattr(kt_kernel, "__version__", "?"), "| torch", torch.__version__)'

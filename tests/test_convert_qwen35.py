@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from kt_serve.formats import FormatError, write_kt_sft_output
 from kt_serve.formats.export import convert_adapter
-from kt_serve.tiny_model import build_tiny_moe
+from kt_serve.harness.tiny_model import build_tiny_moe
 from qwen35_adapters import qwen35_adapter, text_config, write_qwen35_adapter
 
 

@@ -1,4 +1,4 @@
-"""Decode attention over a paged KV cache (kt_serve/attention.py, csrc/decode_attention.cpp) against a plain fp32
+"""Decode attention over a paged KV cache (kt_serve/kernel/attention.py, csrc/ops/attention.cpp) against a plain fp32
 torch reference: each request's slots gathered, K/V heads repeated for GQA, softmax(q Kᵀ · scale) V.
 
 Every kernel table this CPU has runs. Tolerance 1e-2 absolute and relative: the output is rounded to bf16 (2⁻⁹
@@ -8,7 +8,7 @@ relative) while a wrong slot, head or a lost slice moves outputs by tenths.
 import pytest
 import torch
 
-from kt_serve.attention import decode_attention
+from kt_serve.kernel.attention import decode_attention
 from test_kernel import ISAS
 
 
@@ -152,7 +152,7 @@ def test_an_mla_model_is_refused_with_the_backend_to_use():
     """kt_cpu reads per-head K/V pools; an MLA latent cache would be misread, so the backend refuses it at start."""
     from types import SimpleNamespace
 
-    from kt_serve.sglang_plugin.cpu_attention import create_backend
+    from kt_serve.sglang_plugin.cpu_host.attention import create_backend
 
     with pytest.raises(ValueError, match="MLA latent cache is served with --attention-backend torch_native"):
         create_backend(SimpleNamespace(use_mla_backend=True))

@@ -1,4 +1,4 @@
-"""A Qwen3-MoE decoder stack's decode step in one call (kt_serve/decode_stack.py, csrc/decode_stack.cpp) against a
+"""A Qwen3-MoE decoder stack's decode step in one call (kt_serve/kernel/decode_stack.py, csrc/ops/decode_stack.cpp) against a
 plain fp32 torch reference of the same step: RMSNorm with the residual stream, qkv projection, per-head q / k
 RMSNorm, rotary (neox and GPT-J pairing, partial rotary dims), attention over a paged cache holding earlier tokens
 plus this step's, o projection, softmax top-k routing and SwiGLU experts with per-request expert LoRA, final norm.
@@ -14,9 +14,9 @@ import math
 import pytest
 import torch
 
-from kt_serve.decode_stack import DecodeStack
-from kt_serve.dense import PackedLinear
-from kt_serve.kernel import ExpertLoRA, MoEExperts
+from kt_serve.kernel.decode_stack import DecodeStack
+from kt_serve.kernel.linear import PackedLinear
+from kt_serve.kernel.experts import ExpertLoRA, MoEExperts
 from moe_reference import moe_lora_reference
 from test_kernel import ISAS
 

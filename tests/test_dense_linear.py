@@ -1,4 +1,4 @@
-"""PackedLinear (the kernel's dense GEMV/GEMM, kt_serve/dense.py) against fp32 torch: y = x Wᵀ + b with W the
+"""PackedLinear (the kernel's dense GEMV/GEMM, kt_serve/kernel/linear.py) against fp32 torch: y = x Wᵀ + b with W the
 bf16 weight, or for a quantized format its dequantized values by the independent rules of tests/quant_reference.py.
 Every format × every kernel table on this CPU, odd shapes (N, K not multiples of 64 or 32), row counts on both
 sides of the decode / many-row split, strided and 3-D inputs, bias, both output dtypes."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kt_serve.dense import PackedLinear
+from kt_serve.kernel.linear import PackedLinear
 from quant_reference import ref_quantize
 from test_kernel import ISAS
 

@@ -1,4 +1,4 @@
-"""evals/eval_adapter.py and evals/report.py.
+"""kt_serve/harness/eval_adapter.py and kt_serve/harness/report.py.
 
 Harness logic runs against tests/fake_openai_server.py (canned outputs, so every expected score below is worked
 out by hand or by calling sacrebleu/rouge-score directly on the known outputs). The last test runs the harness
@@ -17,10 +17,8 @@ from pathlib import Path
 import pytest
 from fake_openai_server import FakeOpenAIServer
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # `evals` is a top-level directory, not part of the installed kt_serve package
-from evals.eval_adapter import EvalError, load_examples, main, pick_choice, run_eval  # noqa: E402
-from evals.report import write_report  # noqa: E402
+from kt_serve.harness.eval_adapter import EvalError, load_examples, main, pick_choice, run_eval  # noqa: E402
+from kt_serve.harness.report import write_report  # noqa: E402
 
 SERVED = "tiny"
 # Row i: what the "base" and the "pirate" adapter answer (canned), and what the dataset expects.
@@ -203,7 +201,7 @@ def test_unknown_served_name(tmp_path, style_dataset):
 def test_server_down_cli(tmp_path, style_dataset):
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     proc = subprocess.run(
-        [sys.executable, str(REPO / "evals" / "eval_adapter.py"), "--base-url", url, "--served-name", SERVED,
+        [sys.executable, "-m", "kt_serve.harness.eval_adapter", "--base-url", url, "--served-name", SERVED,
          "--adapters", "pirate", "--dataset", str(style_dataset), "--out", str(tmp_path / "out"), "--retries", "1"],
         capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
@@ -281,7 +279,7 @@ def test_write_report_rejects_bad_chart_and_writes_nothing(tmp_path, chart, mess
 
 
 def test_report_is_atomic_when_the_chart_fails(tmp_path, monkeypatch):
-    import evals.report as report
+    import kt_serve.harness.report as report
 
     def boom(*a, **k):
         raise RuntimeError("chart failed")
@@ -305,8 +303,8 @@ def real_server(tmp_path_factory):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from kt_serve.server import SGLangServer
-    from kt_serve.tiny_model import build_tiny_moe
+    from kt_serve.harness.server import SGLangServer
+    from kt_serve.harness.tiny_model import build_tiny_moe
 
     root = tmp_path_factory.mktemp("real_server")
     model_dir = build_tiny_moe(root / "model")

@@ -13,8 +13,8 @@ from torch import nn
 pytest.importorskip("sglang")
 
 from kt_serve.formats.sglang_modules import split_gate_modules  # noqa: E402
-from kt_serve.sglang_plugin import batch  # noqa: E402
-from kt_serve.sglang_plugin.gate_lora import GateLoRA, GateLoRAError  # noqa: E402
+from kt_serve.sglang_plugin.adapters.gate_lora import GateLoRA, GateLoRAError  # noqa: E402
+from kt_serve.sglang_plugin.adapters.registry import AdapterRegistry, get_registry  # noqa: E402
 
 H, E, NV, R, SCALE = 16, 6, 4, 3, 2.0
 CPU_ARGS = SimpleNamespace(device="cpu", disable_cuda_graph=False)
@@ -90,11 +90,11 @@ ADAPTER_2 = {(0, "mlp.shared_expert_gate"): 1, (1, "linear_attn.in_proj_b"): NV,
 
 @pytest.fixture
 def served(monkeypatch):
-    from kt_serve.sglang_plugin import gate_lora
+    from kt_serve.sglang_plugin.adapters import registry
 
     model = tiny_model()
-    gates = GateLoRA()
-    monkeypatch.setattr(gate_lora, "_instance", gates)  # what the fused CPU ops look up
+    monkeypatch.setattr(registry, "_registry", AdapterRegistry(1, holds_experts=False))  # what the fused CPU ops use
+    gates = get_registry().gates
     gates.attach(model, CPU_ARGS)
     tensors = {"a1": peft(ADAPTER_1, 10), "a2": peft(ADAPTER_2, 20)}
     for uid, t in tensors.items():
@@ -102,7 +102,11 @@ def served(monkeypatch):
         assert not rest
         gates.load(uid, f"/adapters/{uid}", split, SCALE)
     yield model, gates, tensors
-    batch.clear_batch()
+
+
+def set_batch(lora_ids, seq_lens):
+    """The adapters of the next forward, handed to the registry as SGLang's prepare_lora_batch hook does."""
+    get_registry().prepare_batch(lora_ids, seq_lens, layer_lora=False, expert_slots=False)
 
 
 @pytest.mark.parametrize("path", ["mlp.gate", "mlp.shared_expert_gate", "linear_attn.in_proj_ba"])
@@ -111,7 +115,7 @@ def test_mixed_batch_matches_merged_weights(served, layer, path):
     model, _, tensors = served
     # requests: a1 (2 tokens), base (1), a2 (2), a1 again (1): a1's tokens are not adjacent
     lora_ids, seq_lens = ["a1", None, "a2", "a1"], [2, 1, 2, 1]
-    batch.set_batch(lora_ids, seq_lens, lambda uid: -1)
+    set_batch(lora_ids, seq_lens)
     x = torch.randn(6, H, generator=torch.Generator().manual_seed(layer))
     module = model.model.layers[layer].get_submodule(path)
     with torch.no_grad():
@@ -130,17 +134,17 @@ def test_no_batch_or_base_requests_leave_the_module_as_it_was(served):
     with torch.no_grad():
         plain = x @ gate.weight.T
         torch.testing.assert_close(gate(x)[0], plain, rtol=0, atol=0)   # no LoRA batch (warm-up, --enable-lora off)
-        batch.set_batch([None, "a2"], [2, 1], lambda uid: -1)            # a2 has no LoRA on layer 0's router
+        set_batch([None, "a2"], [2, 1])            # a2 has no LoRA on layer 0's router
         torch.testing.assert_close(gate(x)[0], plain, rtol=0, atol=0)
     gates.unload("a1")
-    batch.set_batch(["a1"], [3], lambda uid: -1)
+    set_batch(["a1"], [3])
     with torch.no_grad():
         torch.testing.assert_close(gate(x)[0], plain, rtol=0, atol=0)
 
 
 def test_refusals_name_the_adapter_layer_and_module():
     model = tiny_model()
-    gates = GateLoRA()
+    gates = GateLoRA(lambda: None)
     gates.attach(model, CPU_ARGS)
     _, wrong_rows = split_gate_modules("a", peft({(0, "mlp.gate"): E + 1}, 0))
     with pytest.raises(GateLoRAError, match=r"^/x: LoRA on layer 0 gate: lora_A \[3, 16\] / lora_B \[7, 3\], the "
@@ -150,7 +154,7 @@ def test_refusals_name_the_adapter_layer_and_module():
     with pytest.raises(GateLoRAError, match=r"^/x: LoRA on layer 5 gate: the model has no mlp\.gate in decoder layer 5$"):
         gates.load("u", "/x", no_layer, SCALE)
     assert not gates.adapters
-    graphs = GateLoRA()
+    graphs = GateLoRA(lambda: None)
     graphs.attach(tiny_model(), SimpleNamespace(device="cuda", disable_cuda_graph=False))
     _, ok = split_gate_modules("a", peft({(0, "mlp.gate"): E}, 0))
     with pytest.raises(GateLoRAError, match="--disable-cuda-graph"):
@@ -172,12 +176,12 @@ def test_gate_keys_must_sit_where_the_module_does():
 def test_shared_expert_gate_lora_reaches_the_fused_cpu_gate_op(served):
     """SGLang's CPU path gates the shared expert in one fused op given the gate's weight, not the module
     (fused_gate_sigmoid_mul_add); the plugin's op adds the gate LoRA found by that weight."""
-    from kt_serve.sglang_plugin.cpu_compat import gate_sigmoid_mul_add_cpu
+    from kt_serve.sglang_plugin.cpu_host.moe_block import gate_sigmoid_mul_add_cpu
 
     model, _, tensors = served
     gate = model.model.layers[0].mlp.shared_expert_gate
     x, shared = torch.randn(3, H), torch.randn(3, H)
-    batch.set_batch(["a2", None], [2, 1], lambda uid: -1)
+    set_batch(["a2", None], [2, 1])
     final = torch.zeros(3, H)
     with torch.no_grad():
         gate_sigmoid_mul_add_cpu(None, x, gate.weight.squeeze(), shared, final)
@@ -190,14 +194,14 @@ def test_adapter_with_only_gate_lora_is_refused_in_one_line(tmp_path, monkeypatc
     """SGLang's manager needs a module of its own to load an adapter: a router-only adapter is refused at the split,
     naming the dir, and no split is written."""
     from kt_serve.formats import write_peft_adapter
-    from kt_serve.sglang_plugin import adapters
+    from kt_serve.sglang_plugin.adapters import split
 
     adapter = write_peft_adapter(tmp_path / "router_only", peft({(0, "mlp.gate"): E}, 0),
                                  {"r": R, "lora_alpha": 2 * R}, overwrite=True)
     cache = tmp_path / "cache"
-    monkeypatch.setattr(adapters, "_cache_root", lambda: cache)
-    with pytest.raises(adapters.ExpertAdapterError, match=rf"^{adapter}: only router / gate LoRA and no module "
+    monkeypatch.setattr(split, "_cache_root", lambda: cache)
+    with pytest.raises(split.AdapterError, match=rf"^{adapter}: only router / gate LoRA and no module "
                                                           r"SGLang applies; per request an adapter also needs LoRA "
                                                           r"on attention or MLP projections$"):
-        adapters.split_composite(str(adapter))
+        split.split_composite(str(adapter))
     assert not cache.exists()

@@ -16,8 +16,10 @@ import pytest
 import torch
 
 from kt_serve import _kernel
-from kt_serve.kernel import (KT_NAMES, ExpertLoRA, MoEExperts, MoELoRAExperts, num_threads, set_idle_spin_us,
-                             set_num_threads)
+from kt_serve.formats.names import KT_TENSOR_NAMES
+from kt_serve.kernel.experts import ExpertLoRA, MoEExperts
+from kt_serve.kernel.threads import num_threads, set_idle_spin_us, set_num_threads
+from kt_serve.train.expert_autograd import MoELoRAExperts
 from moe_reference import moe_lora_reference
 
 ISAS = (["portable"] + (["avx2"] if _kernel.has_avx2() else [])
@@ -28,7 +30,7 @@ TOL = 1e-2
 def module_forward_backward(mod, lo, x, ids, w, grad_out):
     """The training module with the LoRA ``lo`` loaded, one forward and backward: (y, x leaf, weights leaf)."""
     with torch.no_grad():
-        for n in KT_NAMES:
+        for n in KT_TENSOR_NAMES:
             getattr(mod, n).copy_(lo[n].float())
     xs = x.float().clone().requires_grad_(True)
     ws = w.clone().requires_grad_(True)
@@ -57,7 +59,7 @@ def make_weights(E, H, I, seed=0):
 def make_lora(E, H, I, r, seed=1, scale=0.1):
     g = torch.Generator().manual_seed(seed)
     shapes = [(E, r, H), (E, I, r), (E, r, H), (E, I, r), (E, r, I), (E, H, r)]
-    t = {n: (torch.randn(*s, generator=g) * scale).to(torch.bfloat16) for n, s in zip(KT_NAMES, shapes)}
+    t = {n: (torch.randn(*s, generator=g) * scale).to(torch.bfloat16) for n, s in zip(KT_TENSOR_NAMES, shapes)}
     t["alpha"] = 2.0 * r
     return t
 
@@ -238,11 +240,11 @@ def test_env_var_forces_portable(monkeypatch):
 def reference_grads(x, ids, w, gate, up, down, lo, grad_out):
     xs = x.float().clone().requires_grad_(True)
     ws = w.float().clone().requires_grad_(True)
-    params = {n: lo[n].float().clone().requires_grad_(True) for n in KT_NAMES}
+    params = {n: lo[n].float().clone().requires_grad_(True) for n in KT_TENSOR_NAMES}
     params["alpha"] = lo["alpha"]
     y = moe_lora_reference(xs, ids, ws, gate, up, down, lora=params)
     y.backward(grad_out.float())
-    return y, xs.grad, ws.grad, {n: params[n].grad for n in KT_NAMES}
+    return y, xs.grad, ws.grad, {n: params[n].grad for n in KT_TENSOR_NAMES}
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -271,7 +273,7 @@ def assert_backward_matches(mod, y, xs, ws, reference, skipped_first):
     assert rel_l2(ws.grad, gw_ref) <= TOL
     if skipped_first:
         assert ws.grad[0, 0] == 0
-    for n in KT_NAMES:
+    for n in KT_TENSOR_NAMES:
         assert rel_l2(getattr(mod, n).grad, glora_ref[n]) <= TOL, n
 
 
@@ -284,7 +286,7 @@ def test_lora_grads_accumulate_across_calls(isa):
     m.set_adapter(0, ExpertLoRA.from_kt(lo, lo["alpha"]))
     grads = ExpertLoRA(*(torch.zeros(t.shape) for t in ExpertLoRA.from_kt(lo, 1).tensors()), alpha=1.0)
     m.set_grad_buffers(0, grads)
-    total = {n: 0 for n in KT_NAMES}
+    total = {n: 0 for n in KT_TENSOR_NAMES}
     for step in range(2):
         x = torch.randn(T, H).to(torch.bfloat16)
         ids, w = routing(T, 2, E, seed=50 + step)
@@ -292,8 +294,8 @@ def test_lora_grads_accumulate_across_calls(isa):
         m.forward_sft(x, ids, w, save_for_backward=True, slots=0)
         m.backward(go)
         _, _, _, g = reference_grads(x, ids, w, gate, up, down, lo, go)
-        total = {n: total[n] + g[n] for n in KT_NAMES}
-    for n, f in zip(KT_NAMES, ("gate_a", "gate_b", "up_a", "up_b", "down_a", "down_b")):
+        total = {n: total[n] + g[n] for n in KT_TENSOR_NAMES}
+    for n, f in zip(KT_TENSOR_NAMES, ("gate_a", "gate_b", "up_a", "up_b", "down_a", "down_b")):
         assert rel_l2(getattr(grads, f), total[n]) <= TOL, n
 
 

@@ -1,6 +1,6 @@
 """LoRA dropout on the expert LoRA inputs (PEFT semantics) in the kernel's training forward and backward.
 
-The mask is re-implemented here in numpy from its definition in csrc/dropout.h, so the kernel is checked
+The mask is re-implemented here in numpy from its definition in csrc/moe/dropout.h, so the kernel is checked
 against an independent reference twice: the masks themselves, and the forward and every gradient against the
 fp32 torch reference (tests/moe_reference.py) fed those numpy masks. Every kernel table of this CPU runs.
 """
@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from kt_serve import _kernel
-from kt_serve.kernel import KT_NAMES, ExpertLoRA, MoEExperts, MoELoRAExperts, dropout_keep_mask
+from kt_serve.formats.names import KT_TENSOR_NAMES
+from kt_serve.kernel.experts import ExpertLoRA, MoEExperts, dropout_keep_mask
+from kt_serve.train.expert_autograd import MoELoRAExperts
 from moe_reference import moe_lora_reference
 from test_kernel import ISAS, TOL, make_lora, make_weights, module_forward_backward, rel_l2, routing
 
@@ -32,7 +34,7 @@ def _mix(z):
 
 
 def ref_keep_mask(seed, proj, T, k, cols, p):
-    """csrc/dropout.h, written out again: bool [T, k, cols]."""
+    """csrc/moe/dropout.h, written out again: bool [T, k, cols]."""
     G = np.array([[0x9E3779B97F4A7C15]], dtype=U64)  # arrays wrap mod 2**64 silently (numpy scalars warn)
     thr = min(65535, math.floor(p * 65536 + 0.5))
     key = _mix(np.array([[seed]], dtype=U64) + U64(proj + 1) * G)
@@ -80,11 +82,11 @@ def test_mask_statistics_and_independence():
 def reference(x, ids, w, gate, up, down, lo, grad_out, **kw):
     xs = x.float().clone().requires_grad_(True)
     ws = w.float().clone().requires_grad_(True)
-    params = {n: lo[n].float().clone().requires_grad_(True) for n in KT_NAMES}
+    params = {n: lo[n].float().clone().requires_grad_(True) for n in KT_TENSOR_NAMES}
     params["alpha"] = lo["alpha"]
     y = moe_lora_reference(xs, ids, ws, gate, up, down, lora=params, **kw)
     y.backward(grad_out.float())
-    return y, xs.grad, ws.grad, {n: params[n].grad for n in KT_NAMES}
+    return y, xs.grad, ws.grad, {n: params[n].grad for n in KT_TENSOR_NAMES}
 
 
 def skip_some(ids, E):
@@ -118,7 +120,7 @@ def test_training_module_matches_reference(isa, p, E, H, I, r, T, k):
     assert rel_l2(xs.grad, gx_ref) <= TOL
     assert rel_l2(ws.grad, gw_ref) <= TOL
     assert ws.grad[0, 0] == 0
-    for n in KT_NAMES:
+    for n in KT_TENSOR_NAMES:
         assert rel_l2(getattr(mod, n).grad, gl_ref[n]) <= TOL, n
 
 
@@ -151,7 +153,7 @@ def test_mixed_slots_with_dropout(isa):
     bufs = grad_buffers(lo)
     m.set_grad_buffers(0, bufs)
     y, gx, gw, *gl = run(m, x, ids, w, go, bufs, slots=slots, dropout=p, dropout_seed=seed)
-    params = {n: lo[n].float().clone().requires_grad_(True) for n in KT_NAMES}
+    params = {n: lo[n].float().clone().requires_grad_(True) for n in KT_TENSOR_NAMES}
     params["alpha"] = lo["alpha"]
     xs, ws = x.float().clone().requires_grad_(True), w.clone().requires_grad_(True)
     y_ref = moe_lora_reference(xs, ids, ws, gate, up, down, slots=slots, loras={0: params},
@@ -160,7 +162,7 @@ def test_mixed_slots_with_dropout(isa):
     assert rel_l2(y, y_ref) <= TOL
     assert rel_l2(gx, xs.grad) <= TOL
     assert rel_l2(gw, ws.grad) <= TOL
-    for g, n in zip(gl, KT_NAMES):
+    for g, n in zip(gl, KT_TENSOR_NAMES):
         assert rel_l2(g, params[n].grad) <= TOL, n
 
 
@@ -243,7 +245,7 @@ def test_training_module_drops_only_in_training_mode(isa):
     mods = [MoELoRAExperts(gate, up, down, rank=r, alpha=lo["alpha"], isa=isa, dropout=p) for p in (0.5, 0.0)]
     for mod in mods:
         with torch.no_grad():
-            for n in KT_NAMES:
+            for n in KT_TENSOR_NAMES:
                 getattr(mod, n).copy_(lo[n].float())
         mod.dropout_seed = 5
     dropping, plain = mods

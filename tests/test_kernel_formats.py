@@ -1,6 +1,6 @@
-"""Quantized base-weight formats of the kernel (csrc/weight_format.h) against independent torch references.
+"""Quantized base-weight formats of the kernel (csrc/weights/weight_format.h) against independent torch references.
 
-1. Quantization: ``MoEExperts(...).dequantized()`` against the rules of csrc/packed_weights.cpp restated in
+1. Quantization: ``MoEExperts(...).dequantized()`` against the rules of csrc/weights/packed_weights.cpp restated in
    plain torch by tests/quant_reference.py (int8 per row, int4 asymmetric per row and K group, fp8 per 64 rows × K group from bf16), and
    against ``w · scale`` of an FP8 checkpoint's e4m3 bytes and block scales. Exact (int4: one fp32 rounding).
 2. Compute: forward and every gradient of each format on every kernel table (ISAS) against tests/moe_reference.py
@@ -18,7 +18,10 @@ import pytest
 import torch
 
 from kt_serve import _kernel
-from kt_serve.kernel import KT_NAMES, ExpertLoRA, MoEExperts, MoELoRAExperts, num_threads, set_num_threads
+from kt_serve.formats.names import KT_TENSOR_NAMES
+from kt_serve.kernel.experts import ExpertLoRA, MoEExperts
+from kt_serve.kernel.threads import num_threads, set_num_threads
+from kt_serve.train.expert_autograd import MoELoRAExperts
 from moe_reference import moe_lora_reference
 from quant_reference import FP8, ref_fp8, ref_int4, ref_int8, ref_quantize
 from test_kernel import (ISAS, TOL, assert_backward_matches, make_lora, module_forward_backward, reference_grads,
@@ -469,7 +472,7 @@ def test_backward_no_tokens(isa):
     y, xs, ws = module_forward_backward(mod, lo, torch.zeros(0, 70, dtype=torch.bfloat16), ids, w,
                                         torch.zeros(0, 70, dtype=torch.bfloat16))
     assert y.shape == xs.grad.shape == (0, 70) and ws.grad.shape == (0, 2)
-    for n in KT_NAMES:
+    for n in KT_TENSOR_NAMES:
         assert torch.count_nonzero(getattr(mod, n).grad) == 0, n
 
 
@@ -640,10 +643,10 @@ def test_bad_format_arguments_raise_clear_errors():
 
 
 def test_expert_memory_per_format_from_a_config():
-    """python -m kt_serve.kernel_weights: Qwen3-30B-A3B's routed experts, counted by hand (48 layers x 128 experts x
+    """python -m kt_serve.kernel.weights: Qwen3-30B-A3B's routed experts, counted by hand (48 layers x 128 experts x
     gate, up [768, 2048] and down [2048, 768]): bf16 2 bytes a weight; int8 1 plus one fp32 scale per row;
     int4 half a byte plus a bf16 scale and a bf16 minimum per 128 K values; fp8 1 plus a scale per 128 K values."""
-    from kt_serve.kernel_weights import expert_memory
+    from kt_serve.kernel.weights import expert_memory
 
     config = {"num_experts": 128, "hidden_size": 2048, "moe_intermediate_size": 768, "num_hidden_layers": 48}
     weights = 48 * 128 * 3 * 2048 * 768

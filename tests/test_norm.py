@@ -1,4 +1,4 @@
-"""kt_serve.norm.rms_norm (one C++ pass) against an fp32 torch restatement of SGLang's RMSNorm.forward_native
+"""kt_serve.kernel.norm.rms_norm (one C++ pass) against an fp32 torch restatement of SGLang's RMSNorm.forward_native
 (bf16 inputs and weight; with and without the residual add), at decode and prefill row counts and odd widths; and
 gemma_rms_norm (Qwen3.5's norms) against a restatement of GemmaRMSNorm.forward_native and through the plugin's hook
 on SGLang's own module."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kt_serve.norm import gated_rms_norm, gemma_rms_norm, rms_norm
+from kt_serve.kernel.norm import gated_rms_norm, gemma_rms_norm, rms_norm
 
 
 def reference(x, w, eps, residual=None):
@@ -85,7 +85,7 @@ def test_gemma_hook_on_sglang_module_follows_weight_updates():
     cached 1 + w when the weight is written in place (a reload)."""
     from sglang.srt.layers.layernorm import GemmaRMSNorm
 
-    from kt_serve.sglang_plugin import cpu_norm
+    from kt_serve.sglang_plugin.cpu_host import norm as cpu_norm
 
     g = torch.Generator().manual_seed(5)
     norm = GemmaRMSNorm(96, eps=1e-6)

@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kt_serve import gdn
-from kt_serve.sglang_plugin import gdn_ops
-from kt_serve.sglang_plugin.qwen35_ops import (RMS_NORM_GATED_FORWARD, install_qwen35_cpu_ops,
-                                               rms_norm_gated_forward_hook)
+from kt_serve.kernel import gdn
+from kt_serve.sglang_plugin.models import qwen35_gdn
+from kt_serve.sglang_plugin.hooks import FLA_GATED_RMS_NORM
+from kt_serve.sglang_plugin.models.qwen35 import install_qwen35_cpu_ops, rms_norm_gated_forward_hook
 
 tf = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
 
@@ -35,8 +35,8 @@ def close(actual, expected, tol=2e-2):
 
 @pytest.fixture(params=[True, False], ids=["C++", "torch"])
 def decode_path(request, monkeypatch):
-    """The decode ops (conv update, recurrent step) through csrc/gdn.cpp, and through gdn_ops' torch formulas."""
-    monkeypatch.setattr(gdn_ops, "USE_KERNEL", request.param)
+    """The decode ops (conv update, recurrent step) through csrc/ops/gdn.cpp, and through qwen35_gdn's torch formulas."""
+    monkeypatch.setattr(qwen35_gdn, "USE_KERNEL", request.param)
     return request.param
 
 
@@ -136,7 +136,7 @@ def test_fused_gdn_gating():
 
 
 def test_rms_norm_gated_matches_transformers_and_sglang_module():
-    layernorm_gated = importlib.import_module(RMS_NORM_GATED_FORWARD.rsplit(".", 2)[0])
+    layernorm_gated = importlib.import_module(FLA_GATED_RMS_NORM.rsplit(".", 1)[0])
     norm = layernorm_gated.RMSNorm(DV, eps=1e-6, group_size=None, norm_before_gate=True, dtype=BF)
     norm.weight.copy_(torch.randn(DV) * 0.5 + 1)
     ref = tf.Qwen3_5MoeRMSNormGated(DV, eps=1e-6)
@@ -151,7 +151,7 @@ def test_rms_norm_gated_matches_transformers_and_sglang_module():
 @pytest.mark.parametrize("norm_before_gate,activation", [(False, "swish"), (True, "sigmoid"), (True, "swish")])
 @pytest.mark.parametrize("dtype", [torch.float32, BF], ids=["fp32 (torch)", "bf16 (C++ where the norm comes first)"])
 def test_rms_norm_gated_groups_and_gate_order(norm_before_gate, activation, dtype):
-    layernorm_gated = importlib.import_module(RMS_NORM_GATED_FORWARD.rsplit(".", 2)[0])
+    layernorm_gated = importlib.import_module(FLA_GATED_RMS_NORM.rsplit(".", 1)[0])
     norm = layernorm_gated.RMSNorm(64, eps=1e-5, group_size=16, norm_before_gate=norm_before_gate,
                                    activation=activation)
     norm.weight.copy_(torch.randn(64))
@@ -168,12 +168,12 @@ def test_rms_norm_gated_groups_and_gate_order(norm_before_gate, activation, dtyp
 
 
 def test_rms_norm_gated_bf16_takes_the_kernel(monkeypatch):
-    """Qwen3.5's configuration (bf16, norm before a SiLU gate) runs csrc/rms_norm.cpp, not the torch formula, and
+    """Qwen3.5's configuration (bf16, norm before a SiLU gate) runs csrc/ops/norm.cpp, not the torch formula, and
     follows the module's weight when it is written in place."""
-    from kt_serve.sglang_plugin import qwen35_ops
+    from kt_serve.sglang_plugin.models import qwen35
 
-    monkeypatch.setattr(qwen35_ops, "rms_norm_gated", lambda *a, **k: pytest.fail("the torch formula ran"))
-    layernorm_gated = importlib.import_module(RMS_NORM_GATED_FORWARD.rsplit(".", 2)[0])
+    monkeypatch.setattr(qwen35, "rms_norm_gated", lambda *a, **k: pytest.fail("the torch formula ran"))
+    layernorm_gated = importlib.import_module(FLA_GATED_RMS_NORM.rsplit(".", 1)[0])
     norm = layernorm_gated.RMSNorm(DV, eps=1e-6, group_size=None, norm_before_gate=True, dtype=BF)
     x, z = torch.randn(3 * HV, DV, dtype=BF), torch.randn(3, HV, DV, dtype=BF)
     for scale in (1.0, -2.0):
@@ -381,7 +381,7 @@ def test_bad_state_pool_shape_is_refused():
         OPS.fused_sigmoid_gating_delta_rule_update_cpu(A_log, dt_bias, q, k, v, a, b, torch.zeros(3, HV, DK, DV + 1),
                                                        torch.tensor([0, 1], dtype=torch.int32),
                                                        torch.arange(3, dtype=torch.int32), True)
-    assert gdn_ops.CHUNK == 64
+    assert qwen35_gdn.CHUNK == 64
 
 
 def test_decode_slot_outside_the_pool_is_refused_with_nothing_written():
@@ -403,12 +403,12 @@ def test_decode_slot_outside_the_pool_is_refused_with_nothing_written():
 
 
 def test_decode_ops_take_the_kernel_for_sglang_inputs(monkeypatch):
-    """bf16 activations and fp32 states as SGLang passes them take csrc/gdn.cpp (not the torch formulas)."""
+    """bf16 activations and fp32 states as SGLang passes them take csrc/ops/gdn.cpp (not the torch formulas)."""
     def torch_path(*args, **kwargs):
         raise AssertionError("the torch formulas ran")
 
-    monkeypatch.setattr(gdn_ops, "_valid_rows", torch_path)  # both torch decode formulas start there or at _heads_view
-    monkeypatch.setattr(gdn_ops, "_heads_view", torch_path)
+    monkeypatch.setattr(qwen35_gdn, "_valid_rows", torch_path)  # both torch decode formulas start there or at _heads_view
+    monkeypatch.setattr(qwen35_gdn, "_heads_view", torch_path)
     weight, bias, pool = _conv_setup()
     mamba.causal_conv1d_update_cpu(torch.randn(2, weight.shape[0], dtype=BF), pool, weight, bias, "silu",
                                    conv_state_indices=torch.tensor([0, PAD], dtype=torch.int32))
@@ -458,8 +458,8 @@ def test_prefill_in_blocks_of_chunks_equals_one_block(monkeypatch):
     q, k, v, a, b, A_log, dt_bias = _gdn_inputs(cu[-1])
     pool = torch.randn(6, HV, DK, DV) * 0.3
     results = []
-    for blocks in (gdn_ops.CHUNKS_PER_BLOCK, 1, 3):
-        monkeypatch.setattr(gdn_ops, "CHUNKS_PER_BLOCK", blocks)
+    for blocks in (qwen35_gdn.CHUNKS_PER_BLOCK, 1, 3):
+        monkeypatch.setattr(qwen35_gdn, "CHUNKS_PER_BLOCK", blocks)
         p = pool.clone()
         results.append((_prefill(q, k, v, a, b, A_log, dt_bias, p, cu, [5, 1, 3, 0])[0], p))
     for out, p in results[1:]:

@@ -1,4 +1,4 @@
-"""kt_serve.rotary.rotary_embedding (one C++ pass) against an fp32 torch rotary embedding written out here (neox and
+"""kt_serve.kernel.rotary.rotary_embedding (one C++ pass) against an fp32 torch rotary embedding written out here (neox and
 GPT-J pairing, partial rotary_dim, GQA head counts, q / k as strided views into a fused qkv row, rotated in place),
 and against SGLang's own RotaryEmbedding.forward_native within its bf16 rounding."""
 
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from kt_serve.rotary import rotary_embedding
+from kt_serve.kernel.rotary import rotary_embedding
 
 
 def cache(max_pos, rotary_dim, base=10000.0):
@@ -106,10 +106,10 @@ def test_bad_arguments_raise_clear_errors():
 
 
 def test_plugin_hook_takes_the_plain_case_only():
-    """sglang_plugin.cpu_rotary: SGLang's forward_native for anything but bf16 q / k with the fp32 cache."""
+    """sglang_plugin.cpu_host.rotary: SGLang's forward_native for anything but bf16 q / k with the fp32 cache."""
     from sglang.srt.layers.rotary_embedding import RotaryEmbedding
 
-    from kt_serve.sglang_plugin.cpu_rotary import rotary_forward_native
+    from kt_serve.sglang_plugin.cpu_host.rotary import rotary_forward_native
 
     rope = RotaryEmbedding(64, 32, 256, 10000.0, False, torch.bfloat16)
     calls = []
@@ -139,7 +139,7 @@ def rms_norm_heads_reference(x, T, head_size, w, eps):
                                                             (300, 4, 4, 48, 48)])
 @pytest.mark.parametrize("neox", [True, False])
 def test_qk_norm_rope_matches_norm_then_rotary_reference(T, hq, hk, head_size, rotary_dim, neox):
-    from kt_serve.rotary import qk_norm_rope
+    from kt_serve.kernel.rotary import qk_norm_rope
 
     g, cs, pos, qkv = rotary_case(T * 7 + hq, T, hq, hk, head_size, rotary_dim, 3)
     qw, kw = ((torch.rand(head_size, generator=g) + 0.5).bfloat16() for _ in range(2))
@@ -171,9 +171,9 @@ def qwen3_attention_stub(head_size=64, hq=4, hk=2, norm_cls=None):
 
 
 def test_qk_norm_rope_hook_matches_sglangs_norm_and_rotary_modules():
-    """sglang_plugin.cpu_rotary.apply_qk_norm_rope against SGLang's split, RMSNorm.forward_native per head and
+    """sglang_plugin.cpu_host.rotary.apply_qk_norm_rope against SGLang's split, RMSNorm.forward_native per head and
     RotaryEmbedding.forward_native (the unfused CPU path; no hooks installed in this process)."""
-    from kt_serve.sglang_plugin.cpu_rotary import apply_qk_norm_rope
+    from kt_serve.sglang_plugin.cpu_host.rotary import apply_qk_norm_rope
 
     attn = qwen3_attention_stub()
     T, D = 5, attn.head_dim
@@ -195,7 +195,7 @@ def test_qk_norm_rope_hook_matches_sglangs_norm_and_rotary_modules():
 def test_qk_norm_rope_hook_leaves_other_norms_to_sglang():
     from sglang.srt.layers.layernorm import GemmaRMSNorm
 
-    from kt_serve.sglang_plugin.cpu_rotary import apply_qk_norm_rope
+    from kt_serve.sglang_plugin.cpu_host.rotary import apply_qk_norm_rope
 
     attn = qwen3_attention_stub(norm_cls=GemmaRMSNorm)
     qkv, pos = torch.zeros(1, 8 * 64).bfloat16(), torch.tensor([1])

@@ -1,4 +1,4 @@
-"""The MoE block in one call (csrc/router.cpp; kt_serve.kernel.MoEExperts.forward_routed) against plain torch:
+"""The MoE block in one call (csrc/moe/router.cpp; kt_serve.kernel.MoEExperts.forward_routed) against plain torch:
 softmax top-k as SGLang's torch-native router computes it (torch.softmax, torch.topk, renormalisation), then the
 fp32 per-expert reference of tests/moe_reference.py.
 """
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kt_serve import _kernel
-from kt_serve.dense import PackedLinear
-from kt_serve.kernel import ExpertLoRA, MoEExperts
+from kt_serve.kernel.linear import PackedLinear
+from kt_serve.kernel.experts import ExpertLoRA, MoEExperts
 from moe_reference import moe_lora_reference
 
 

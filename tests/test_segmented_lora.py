@@ -1,11 +1,11 @@
-"""Segmented LoRA (csrc/lora_segments.cpp, kt_serve/segmented_lora.py) against an fp32 per-segment loop in plain
+"""Segmented LoRA (csrc/ops/lora_segments.cpp, kt_serve/kernel/lora_segments.py) against an fp32 per-segment loop in plain
 torch, and against SGLang's torch_native ops (sglang.srt.lora.torch_ops.lora_ops), whose semantics it takes over."""
 
 import pytest
 import torch
 
 from kt_serve import _kernel
-from kt_serve.segmented_lora import lora_expand, lora_shrink
+from kt_serve.kernel.lora_segments import lora_expand, lora_shrink
 
 ISAS = (["portable"] + (["avx2"] if _kernel.has_avx2() else [])
         + (["avx512_bf16"] if _kernel.has_avx512_bf16() else []))

@@ -14,8 +14,8 @@ import re
 import openai
 import pytest
 
-from kt_serve.server import ServerStartError, SGLangServer
-from kt_serve.tiny_model import build_tiny_moe
+from kt_serve.harness.server import ServerStartError, SGLangServer
+from kt_serve.harness.tiny_model import build_tiny_moe
 from serving_reference import HFReference, write_expert_peft_adapter, write_kt_adapter
 
 TOL = 0.02  # nats; bf16 serving vs fp32 reference (notes: 0.001-0.013 observed)
@@ -271,10 +271,10 @@ def test_mismatched_expert_adapter_refused_at_start(qwen3, workdir):
 
 
 def test_cpu_ops_run_on_the_kernel(server_q3):
-    """On a CPU host the plugin runs the bf16 linear layers, lm_head (sglang_plugin/dense_linear.py), their LoRA
+    """On a CPU host the plugin runs the bf16 linear layers, lm_head (sglang_plugin/cpu_host/linear.py), their LoRA
     (cpu_lora.py), RMSNorm
-    (cpu_norm.py), q / k norms with rotary embeddings (cpu_rotary.py) and whole MoE blocks (moe_block.py) on the
-    kernel, and without AMX decode attention too (cpu_attention.py, chosen by default where
+    (cpu_host/norm.py), q / k norms with rotary embeddings (cpu_host/rotary.py) and whole MoE blocks (moe_block.py) on the
+    kernel, and without AMX decode attention too (cpu_host/attention.py, chosen by default where
     SGLang would run torch_native) and whole decode steps (decode_step.py): every served-vs-reference test above
     went through them."""
     from sglang.srt.utils.common import cpu_has_amx_support

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from kt_serve.formats import write_kt_sft_output
-from kt_serve.server import SGLangServer
-from kt_serve.tiny_model import build_tiny_moe
+from kt_serve.harness.server import SGLangServer
+from kt_serve.harness.tiny_model import build_tiny_moe
 from serving_reference import HFReference, model_dims, random_adapter
 from test_serving import (LORA_ARGS, MIN_EFFECT, assert_matches_reference, complete,
                           concurrent_equals_sequential, pick_prompts)
@@ -162,7 +162,7 @@ def test_kv_b_correction_equals_merged_lora_weights():
     latent through W_v of each token's merged kv_b_proj weight W + s·B·A, computed in float64."""
     from types import SimpleNamespace
 
-    from kt_serve.sglang_plugin import mla_lora
+    from kt_serve.sglang_plugin.models import deepseek_mla
 
     g = torch.Generator().manual_seed(0)
     H, nope, v, kv, rmax = 3, 8, 6, 16, 4
@@ -190,12 +190,12 @@ def test_kv_b_correction_equals_merged_lora_weights():
     want_q = torch.einsum("thn,thnk->thk", q_nope.double(), merged[:, :, :nope])
     want_v = torch.einsum("thk,thvk->thv", latent.double(), merged[:, :, nope:])
 
-    got_q = mla_lora.kv_b_q_correction(triton_only, attn, q_nope, base_q.bfloat16())
-    got_v = mla_lora.kv_b_v_correction(triton_only, attn, latent, base_v.reshape(T, H * v).bfloat16())
+    got_q = deepseek_mla.kv_b_q_correction(triton_only, attn, q_nope, base_q.bfloat16())
+    got_v = deepseek_mla.kv_b_v_correction(triton_only, attn, latent, base_v.reshape(T, H * v).bfloat16())
     for got, want, base in ((got_q, want_q, base_q), (got_v.view(T, H, v), want_v, base_v)):
         tol = 1e-2 * want.abs().max()  # bf16 output rounding
         assert (got.double() - want).abs().max() < tol
         assert (base - want).abs().max() > 20 * tol  # the LoRA moved it
     info.seg_lens_cpu = torch.tensor([3, 2, 4, 2])
     with pytest.raises(RuntimeError, match="kv_b_proj LoRA"):
-        mla_lora.kv_b_q_correction(triton_only, attn, q_nope, base_q.bfloat16())
+        deepseek_mla.kv_b_q_correction(triton_only, attn, q_nope, base_q.bfloat16())

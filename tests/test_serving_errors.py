@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kt_serve.server import ServerStartError, SGLangServer
-from kt_serve.tiny_model import build_tiny_moe, build_tokenizer
+from kt_serve.harness.server import ServerStartError, SGLangServer
+from kt_serve.harness.tiny_model import build_tiny_moe, build_tokenizer
 from serving_reference import write_expert_peft_adapter
 
 
@@ -73,7 +73,7 @@ def test_port_taken_before_bind_is_retried_on_a_fresh_port(moe_model, monkeypatc
     restarts on a fresh port instead of probing the squatter until its timeout."""
     import socket
 
-    import kt_serve.server as server_mod
+    import kt_serve.harness.server as server_mod
 
     squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     squatter.bind(("127.0.0.1", 0))

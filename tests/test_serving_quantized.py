@@ -7,7 +7,7 @@ SGLang + the kt_serve plugin on CPU and compared with fp32 HF transformers refer
   requantization of it, what SGLang's MLA set-up does to FP8 on a CPU, is off by 0.07 nats here). Reference: the
   fp32 checkpoint of the same dequantized weights.
 - ``--kt-expert-dtype int8`` / ``int4`` on a bf16 Qwen3-MoE. Reference: the checkpoint with its expert weights
-  replaced by tests/quant_reference.py's torch restatement of the kernel's quantization rules (csrc/packed_weights.cpp).
+  replaced by tests/quant_reference.py's torch restatement of the kernel's quantization rules (csrc/weights/packed_weights.cpp).
 
 Base requests and a composite adapter (attention + expert LoRA, shared-expert LoRA for DeepSeek) are compared within
 TOL over the tokens predicted before the reference's first routing near-tie. Each case also records its mean
@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from fp8_checkpoint import dequantize_block_fp8, write_fp8_checkpoint
-from kt_serve.server import ServerStartError, SGLangServer
-from kt_serve.tiny_model import build_tiny_moe
+from kt_serve.harness.server import ServerStartError, SGLangServer
+from kt_serve.harness.tiny_model import build_tiny_moe
 from quant_reference import ref_int8, ref_quantize, write_expert_quantized_reference
 from serving_reference import HFReference, write_kt_adapter
 from test_serving import LORA_ARGS, MIN_EFFECT, complete, pick_prompts
@@ -136,7 +136,7 @@ def check_case(server, c):
 def test_reference_quantization_matches_kernel(qwen3_bf16, qwen3_fp8):
     """The torch restatements above give exactly the weights the kernel packs (bf16 -> int8 / int4 / fp8, FP8
     checkpoint -> fp8 as stored, FP8 checkpoint -> int8), so the references below are those of the served weights."""
-    from kt_serve.kernel import MoEExperts
+    from kt_serve.kernel.experts import MoEExperts
 
     w = layer0_experts(qwen3_bf16[0])
     for fmt in ("int8", "int4", "fp8"):
@@ -146,7 +146,7 @@ def test_reference_quantization_matches_kernel(qwen3_bf16, qwen3_fp8):
             assert torch.equal(got[p], want), (fmt, p, (got[p] - want).abs().max())
     from safetensors.torch import load_file
 
-    from kt_serve.dense import PackedLinear
+    from kt_serve.kernel.linear import PackedLinear
 
     state = load_file(f"{qwen3_bf16[0]}/model.safetensors")
     for name in ("q_proj", "o_proj"):  # --kt-dense-dtype: K = 192 and 256, a partial int4 group in q_proj

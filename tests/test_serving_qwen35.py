@@ -21,8 +21,8 @@ from safetensors.torch import load_file, save_file
 
 import kt_serve
 from kt_serve.formats.export import convert_adapter
-from kt_serve.server import SGLangServer
-from kt_serve.tiny_model import build_tiny_moe
+from kt_serve.harness.server import SGLangServer
+from kt_serve.harness.tiny_model import build_tiny_moe
 from qwen35_adapters import text_config, write_qwen35_adapter
 from serving_reference import HFReference
 from test_serving import MIN_EFFECT, TOL, assert_matches_reference, concurrent_equals_sequential
@@ -221,7 +221,7 @@ def test_qwen35_concurrent_mixed_batch_equals_sequential(server_composite, qwen3
 def test_qwen35_fused_checkpoint_with_global_expert_adapter(qwen35):
     """Also the router path of Qwen2MoeSparseMoeBlock in one kernel call (moe_block.router_experts; no router LoRA
     is loaded here), the shared expert and its sigmoid gate added by SGLang's block around it; and the Gemma
-    RMSNorm layers in C++ (cpu_norm.py)."""
+    RMSNorm layers in C++ (cpu_host/norm.py)."""
     from sglang.srt.utils.common import cpu_has_amx_support
 
     model, fused, adapters, ref, prompts = qwen35
@@ -236,8 +236,8 @@ def test_qwen35_fused_checkpoint_with_global_expert_adapter(qwen35):
     if not cpu_has_amx_support():  # with AMX the router gate is SGLang's (not packed): its own path, logged
         assert "MoE blocks in one kernel call (router gate, softmax top-k, routed experts)" in log, log[-3000:]
         assert "MoE blocks keep SGLang's router path" not in log, log[-3000:]
-        assert "Gemma RMSNorm on the kt_serve kernel" in log, log[-3000:]  # cpu_norm.py: the layer norms above
-        assert "gated RMSNorm on the kt_serve kernel" in log, log[-3000:]  # qwen35_ops.py: GDN's output norm
+        assert "Gemma RMSNorm on the kt_serve kernel" in log, log[-3000:]  # cpu_host/norm.py: the layer norms above
+        assert "gated RMSNorm on the kt_serve kernel" in log, log[-3000:]  # models/qwen35.py: GDN's output norm
         # the GDN decode steps and norms took C++ for every batch: nothing said it fell back to the torch formulas
         assert "on torch formulas" not in log and "on its torch formula" not in log, log[-3000:]
 

@@ -5,31 +5,24 @@ import torch
 
 pytest.importorskip("sglang")
 
-from kt_serve.sglang_plugin import batch  # noqa: E402
+from kt_serve.sglang_plugin.adapters.batch import AdapterBatch, slots_for  # noqa: E402
 from kt_serve.sglang_plugin.config import KTServeConfig  # noqa: E402
 
 
 def test_token_slots_follow_request_lengths():
     slots = {None: -1, "a": 0, "b": 3}
-    batch.set_batch(["a", None, "b", "a"], [3, 1, 2, 1], slots.get)
-    try:
-        got = batch.slots_for(7, default_slot=-1)
-        # hand-written expectation: 3 tokens of a, 1 base, 2 of b, 1 of a
-        assert got.tolist() == [0, 0, 0, -1, 3, 3, 0]
-        assert got.dtype == torch.int32
-        with pytest.raises(RuntimeError, match="6 tokens"):
-            batch.slots_for(6, default_slot=-1)
-    finally:
-        batch.clear_batch()
+    batch = AdapterBatch.build(["a", None, "b", "a"], [3, 1, 2, 1], slots.get)
+    got = slots_for(batch, 7, default_slot=-1)
+    # hand-written expectation: 3 tokens of a, 1 base, 2 of b, 1 of a
+    assert got.tolist() == [0, 0, 0, -1, 3, 3, 0]
+    assert got.dtype == torch.int32
+    with pytest.raises(RuntimeError, match="6 tokens"):
+        slots_for(batch, 6, default_slot=-1)
 
 
 def test_uniform_batch_passes_one_slot_and_no_batch_uses_default():
-    batch.set_batch(["a", "a"], [4, 1], {"a": 2}.get)
-    try:
-        assert batch.slots_for(5, default_slot=-1) == 2
-    finally:
-        batch.clear_batch()
-    assert batch.slots_for(9, default_slot=5) == 5
+    assert slots_for(AdapterBatch.build(["a", "a"], [4, 1], {"a": 2}.get), 5, default_slot=-1) == 2
+    assert slots_for(None, 9, default_slot=5) == 5
 
 
 def test_config_round_trips_through_the_environment():
@@ -58,7 +51,8 @@ def test_dense_dtype_refused_where_sglangs_own_kernels_run_the_dense_layers(monk
     bf16, so the flag is refused at start with the reason instead of being ignored."""
     import sglang.srt.utils.common as common
 
-    from kt_serve.sglang_plugin import args, cpu_compat
+    from kt_serve.sglang_plugin import args
+    from kt_serve.sglang_plugin.cpu_host import compat as cpu_compat
 
     int8 = KTServeConfig(dense_dtype="int8")
     assert args.unpacked_dense_layers(KTServeConfig()) is None  # bf16: nothing to refuse anywhere
@@ -96,7 +90,7 @@ def test_cores_split_between_tp_ranks(monkeypatch, nodes, tp, user, expected):
     import sglang.srt.utils.common as common
     from types import SimpleNamespace
 
-    from kt_serve.sglang_plugin import cpu_compat
+    from kt_serve.sglang_plugin.cpu_host import compat as cpu_compat
 
     monkeypatch.setattr(common, "get_cpu_ids_by_node", lambda: nodes)
     monkeypatch.setattr(cpu_compat, "cpu_only_host", lambda: True)
@@ -109,7 +103,7 @@ def test_cores_split_between_tp_ranks(monkeypatch, nodes, tp, user, expected):
 def test_offload_round_trip_logic_on_cpu(x_dtype, ids_dtype):
     """The accelerator path (copies to host buffers, kernel into a given output, copy back in the caller's dtype),
     driven with CPU tensors: same numbers as the fp32 reference, output in x's dtype."""
-    from kt_serve.kernel import ExpertLoRA, MoEExperts
+    from kt_serve.kernel.experts import ExpertLoRA, MoEExperts
     from kt_serve.sglang_plugin.experts import KTRoutedExpertsMethod
     from moe_reference import moe_lora_reference
 
@@ -146,7 +140,7 @@ def test_kt_cpu_attention_is_the_default_only_where_it_replaces_torch_native(tmp
 
     import sglang.srt.utils.common as common
 
-    from kt_serve.sglang_plugin import cpu_attention
+    from kt_serve.sglang_plugin.cpu_host import attention as cpu_attention
 
     monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
     monkeypatch.setattr(common, "cpu_has_amx_support", lambda: amx)

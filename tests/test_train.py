@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 import kt_serve
 from kt_serve.formats.names import (ADAPTER_CONFIG_FILE, ADAPTER_MODEL_FILE, FUSED_EXPERT_LORA_FILE,
                                     KT_ADAPTER_MANIFEST_FILE)
-from kt_serve.tiny_model import build_tiny_moe
+from kt_serve.harness.tiny_model import build_tiny_moe
 from kt_serve.train import load_config, train
 from kt_serve.train.__main__ import main as cli_main
 from kt_serve.train.data import SFTDataset

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from kt_serve.tiny_model import build_tiny_moe
+from kt_serve.harness.tiny_model import build_tiny_moe
 from kt_serve.train import load_config, train
 from kt_serve.train.data import SFTDataset
 from kt_serve.train.model import TrainModel
@@ -138,7 +138,7 @@ def test_checkpointed_experts_whose_output_is_saved_downstream(retain):
     backward, so the recompute must reproduce it exactly (from the kernel, or from what retain kept)."""
     from torch.utils.checkpoint import checkpoint
 
-    from kt_serve.kernel import MoELoRAExperts, expert_checkpoint_contexts
+    from kt_serve.train.expert_autograd import MoELoRAExperts, expert_checkpoint_contexts
 
     gen = torch.Generator().manual_seed(0)
     E, H, I, T, k = 4, 48, 24, 9, 2

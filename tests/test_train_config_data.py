@@ -58,7 +58,7 @@ def test_config_missing_required(tmp_path):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from kt_serve.tiny_model import build_tokenizer
+    from kt_serve.harness.tiny_model import build_tokenizer
 
     return build_tokenizer(1024)
 

@@ -14,7 +14,7 @@ import shutil
 import pytest
 
 from fp8_checkpoint import write_fp8_checkpoint
-from kt_serve.tiny_model import build_tiny_moe
+from kt_serve.harness.tiny_model import build_tiny_moe
 from kt_serve.train import load_config
 from kt_serve.train.config import ConfigError
 from quant_reference import write_expert_quantized_reference

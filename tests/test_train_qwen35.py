@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kt_serve.tiny_model import build_tiny_moe
+from kt_serve.harness.tiny_model import build_tiny_moe
 from test_train import check_parity
 
 LINEAR = [f"linear_attn.{m}" for m in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")]

@@ -18,14 +18,14 @@ DS_BOS, DS_EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 
 @pytest.fixture(scope="module")
 def chatml_tokenizer():
-    from kt_serve.tiny_model import build_tokenizer
+    from kt_serve.harness.tiny_model import build_tokenizer
 
     return build_tokenizer(1000)  # <|endoftext|> = bos = pad, <|im_end|> = eos
 
 
 @pytest.fixture(scope="module")
 def deepseek_tokenizer():
-    from kt_serve.tiny_model import build_tokenizer
+    from kt_serve.harness.tiny_model import build_tokenizer
 
     tok = build_tokenizer(1000)  # given DeepSeek's special tokens, as a real DeepSeek tokenizer has them
     tok.add_special_tokens({"bos_token": DS_BOS, "eos_token": DS_EOS,

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from kt_serve.formats.names import ADAPTER_CONFIG_FILE, ADAPTER_MODEL_FILE, FUSED_EXPERT_LORA_FILE
-from kt_serve.tiny_model import build_tiny_moe
+from kt_serve.harness.tiny_model import build_tiny_moe
 from kt_serve.train import load_config, train
 from kt_serve.train.__main__ import main as cli_main
 from kt_serve.train.config import ConfigError
@@ -165,7 +165,7 @@ def test_dataloader_workers_give_the_same_run(tiny_model, tmp_path):
 
 
 def test_tokenized_cache_overwrite_cache_and_preprocessing_workers(tmp_path, caplog):
-    from kt_serve.tiny_model import build_tokenizer
+    from kt_serve.harness.tiny_model import build_tokenizer
     from kt_serve.train.data import SFTDataset
 
     tokenizer = build_tokenizer(1000)
@@ -191,7 +191,7 @@ def test_tokenized_cache_overwrite_cache_and_preprocessing_workers(tmp_path, cap
 
 
 def test_tokenized_cache_failures_only_warn(tmp_path, caplog, monkeypatch):
-    from kt_serve.tiny_model import build_tokenizer
+    from kt_serve.harness.tiny_model import build_tokenizer
     from kt_serve.train import data_cache
     from kt_serve.train.data import SFTDataset
 

@@ -20,13 +20,7 @@ if os.environ.get("KT_SERVE_CALL_TIMES"):
     def _install(prefix: str, modules: bool) -> None:
         import torch
 
-        import kt_serve.attention as attention
-        import kt_serve.decode_stack as decode_stack
-        import kt_serve.dense as dense
-        import kt_serve.kernel as kernel
-        import kt_serve.norm as norm
-        import kt_serve.rotary as rotary
-        import kt_serve.segmented_lora as segmented_lora
+        from kt_serve.kernel import attention, decode_stack, experts, linear, lora_segments, norm, rotary
 
         calls: dict[str, list] = {}  # kernel call -> [count, seconds]
         exclusive: dict[str, list] = {}  # module class -> [count, seconds less its children]
@@ -65,11 +59,11 @@ if os.environ.get("KT_SERVE_CALL_TIMES"):
             return wrapper
 
         rows = lambda x: int(x.numel() // x.shape[-1]) if isinstance(x, torch.Tensor) and x.dim() else 0  # noqa: E731
-        dense.PackedLinear.forward = dense.PackedLinear.__call__ = timed(
-            "dense", lambda m, x, *a: f"{m.in_features}->{m.out_features} x{rows(x)}", dense.PackedLinear.forward)
+        linear.PackedLinear.forward = linear.PackedLinear.__call__ = timed(
+            "dense", lambda m, x, *a: f"{m.in_features}->{m.out_features} x{rows(x)}", linear.PackedLinear.forward)
         for name in ("forward_routed", "forward_sft"):
-            setattr(kernel.MoEExperts, name, timed("experts", lambda m, x, *a: f"x{rows(x)}",
-                                                   getattr(kernel.MoEExperts, name)))
+            setattr(experts.MoEExperts, name, timed("experts", lambda m, x, *a: f"x{rows(x)}",
+                                                   getattr(experts.MoEExperts, name)))
         decode_stack.DecodeStack.forward = timed("decode stack (all layers)", lambda m, x, *a: f"x{rows(x)}",
                                                  decode_stack.DecodeStack.forward)
         # module-level functions the plugin imports at call time (or when it builds its attention backend, after
@@ -80,8 +74,8 @@ if os.environ.get("KT_SERVE_CALL_TIMES"):
                 (norm, "rms_norm", "rms_norm", by_rows),
                 (rotary, "qk_norm_rope", "qk_norm_rope", by_rows),
                 (rotary, "rotary_embedding", "rotary", lambda positions, *a: f"x{positions.numel()}"),
-                (segmented_lora, "lora_shrink", "lora_shrink", by_rows),
-                (segmented_lora, "lora_expand", "lora_expand", by_rows)):
+                (lora_segments, "lora_shrink", "lora_shrink", by_rows),
+                (lora_segments, "lora_expand", "lora_expand", by_rows)):
             setattr(module, name, timed(kind, shape_of, getattr(module, name)))
 
         if modules:

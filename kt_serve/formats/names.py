@@ -60,6 +60,13 @@ def _kt_tensors() -> dict[str, KTTensor]:
 KT_TENSORS: dict[str, KTTensor] = _kt_tensors()
 KT_TENSOR_NAMES = tuple(KT_TENSORS)  # gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, down_lora_a, down_lora_b
 KT_TENSOR_BY_PEFT = {(t.proj, t.side): t for t in KT_TENSORS.values()}
+
+
+def kt_shapes(E: int, H: int, I: int, r: int) -> dict[str, tuple[int, int, int]]:
+    """The shape of each KT tensor of one layer (KT_TENSOR_NAMES order) for E experts, hidden H, intermediate I,
+    rank r."""
+    sizes = {"E": E, "H": H, "I": I, "r": r}
+    return {name: tuple(sizes[d] for d in t.dims) for name, t in KT_TENSORS.items()}
 DIM_NAMES = {"E": "expert count", "r": "LoRA rank", "H": "hidden size", "I": "intermediate size"}
 
 # Fused KT file: no model prefix, L is the decoder-layer index.

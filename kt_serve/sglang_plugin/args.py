@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 import os
 
-from kt_serve.kernel_weights import WEIGHT_FORMATS
+from kt_serve.kernel.weights import WEIGHT_FORMATS
 
-from .config import DENSE_FORMATS, KTServeConfig
-from .cpu_compat import local_model_config, split_cores_between_ranks
+from .config import DENSE_FORMATS, KTServeConfig, local_model_config
+from .cpu_host import compat
 
 # (flag, dest, argparse kwargs); dest names equal KTServeConfig fields.
 FLAGS = [
@@ -81,10 +81,10 @@ def _flag_values(namespace: argparse.Namespace) -> dict:
 
 def default_attention_backend_hook(*args, **kwargs):
     """BEFORE ServerArgs.from_cli_args(namespace): the kt_cpu attention backend by default where it applies
-    (cpu_attention.py), set on the namespace so SGLang resolves it like a user's --attention-backend."""
+    (cpu_host/attention.py), set on the namespace so SGLang resolves it like a user's --attention-backend."""
     namespace = _namespace(args, kwargs)
     if namespace is not None:
-        from .cpu_attention import default_on_cpu
+        from .cpu_host.attention import default_on_cpu
 
         default_on_cpu(namespace, KTServeConfig(**_flag_values(namespace)).cpu_ops_enabled)
     return None
@@ -106,7 +106,7 @@ def from_cli_args_hook(server_args, *args, **kwargs):
     if message:
         raise SystemExit(message)
     config.export()
-    split_cores_between_ranks(server_args)
+    compat.split_cores_between_ranks(server_args)
     if config.enabled:
         # An idle SGLang scheduler polls its sockets in a busy loop, holding a whole core that the kernel's threads
         # (and, on a small host, every other process) need; sleep_on_idle blocks in zmq poll instead, which returns
@@ -122,9 +122,7 @@ def unpacked_dense_layers(config) -> str | None:
         return None
     from sglang.srt.utils.common import cpu_has_amx_support
 
-    from .cpu_compat import cpu_only_host
-
-    if not cpu_only_host() or cpu_has_amx_support():
+    if not compat.cpu_only_host() or cpu_has_amx_support():
         return (f"--kt-dense-dtype {config.dense_dtype}: the kt_serve kernel runs the linear layers on CPU-only hosts "
                 "without AMX; here SGLang's own kernels run them in bf16 (drop the flag)")
     return None

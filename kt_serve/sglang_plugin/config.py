@@ -1,4 +1,5 @@
-"""Plugin settings: one dataclass, read from the environment in every process.
+"""Plugin settings (one dataclass, read from the environment in every process) and the served checkpoint's own
+config.json.
 
 The launcher's CLI hook (args.py) exports the flags as ``KT_SERVE_*`` variables before SGLang spawns its
 schedulers, which inherit the environment; ``Engine(...)`` users set the variables directly.
@@ -6,10 +7,11 @@ schedulers, which inherit the environment; ``Engine(...)`` users set the variabl
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, fields
 
-from kt_serve.cpu_threads import share_cores_with_torch
+from kt_serve.kernel.threads import share_cores_with_torch
 
 ENV_PREFIX = "KT_SERVE_"
 DENSE_FORMATS = ("bf16", "int8", "int4")
@@ -41,11 +43,11 @@ class KTServeConfig:
             raise ValueError(f"--kt-moe={self.moe!r}: expected 'on' or 'off'")
         if self.max_expert_loras < 1:
             raise ValueError(f"--kt-max-expert-loras={self.max_expert_loras}: expected >= 1")
-        from kt_serve.kernel_weights import WEIGHT_FORMATS
+        from kt_serve.kernel.weights import WEIGHT_FORMATS, valid_group_size
 
         if self.expert_dtype != "auto" and self.expert_dtype not in WEIGHT_FORMATS:
             raise ValueError(f"--kt-expert-dtype={self.expert_dtype!r}: expected auto, {', '.join(WEIGHT_FORMATS)}")
-        if self.expert_group_size < 64 or self.expert_group_size % 64:
+        if not valid_group_size(self.expert_group_size):
             raise ValueError(f"--kt-expert-group-size={self.expert_group_size}: expected a positive multiple of 64")
         if self.cpu_ops not in ("auto", "on", "off"):
             raise ValueError(f"--kt-cpu-ops={self.cpu_ops!r}: expected auto, on or off")
@@ -98,3 +100,13 @@ def get_config() -> KTServeConfig:
     if _config is None:
         _config = KTServeConfig.from_env()
     return _config
+
+
+def local_model_config(model_path) -> dict | None:
+    """A local checkpoint's config.json, or None (a hub id, or unreadable: SGLang reports that itself)."""
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError, TypeError):
+        return None
+    return config if isinstance(config, dict) else None

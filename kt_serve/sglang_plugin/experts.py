@@ -12,57 +12,43 @@ other ranks return zeros and SGLang's all-reduce sums the two.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
-import threading
 
 import torch
 
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
-from . import batch
+from kt_serve.kernel.weights import fp8_blocks_kept
+
+from .adapters.registry import get_registry
 from .config import get_config
 
 logger = logging.getLogger(__name__)
 
-_registry = None
-_registry_lock = threading.Lock()
 
+@functools.cache
+def _size_kernel_pool() -> None:
+    """--kt-threads, once per process, before the first layer packs."""
+    threads = get_config().threads
+    if threads > 0:
+        from kt_serve.kernel.threads import set_num_threads
 
-def get_registry():
-    """This process's ExpertAdapterRegistry (created on first MoE layer, with the global adapter if any)."""
-    global _registry
-    with _registry_lock:
-        if _registry is None:
-            from kt_serve.kernel import set_num_threads
-
-            from .adapters import ExpertAdapterRegistry
-
-            config = get_config()
-            if config.threads > 0:
-                set_num_threads(config.threads)
-            registry = ExpertAdapterRegistry(config.max_expert_loras)
-            if config.expert_lora_path and _is_compute_rank():
-                registry.load_global(config.expert_lora_path)
-            _registry = registry
-        return _registry
-
-
-def _is_compute_rank() -> bool:
-    from sglang.srt.runtime_context import get_parallel
-
-    return get_parallel().tp_rank == 0
+        set_num_threads(threads)
 
 
 class KTRoutedExpertsMethod(FusedMoEMethodBase):
-    """FusedMoE quant method whose experts live in ``kt_serve.kernel.MoEExperts`` (CPU), in the format of
+    """FusedMoE quant method whose experts live in ``kt_serve.kernel.experts.MoEExperts`` (CPU), in the format of
     ``--kt-expert-dtype``. ``fp8_block``: the checkpoint's experts are FP8 with [rows, cols] scale blocks."""
 
     runner = None
 
     def __init__(self, fp8_block=None):
         super().__init__()
-        self.experts = None          # kt_serve.kernel.MoEExperts once packed (TP rank 0 only)
-        self.compute_rank = _is_compute_rank()
+        self.adapters = get_registry()
+        self.experts = None          # kt_serve.kernel.experts.MoEExperts once packed (TP rank 0 only)
+        self.compute_rank = self.adapters.holds_experts
         self.fp8_block = fp8_block
         self._loaded: set[tuple[int, str, bool]] = set()
 
@@ -93,7 +79,7 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
             if I % bn:
                 raise ValueError(f"kt_serve: MoE layer {layer.layer_id}: intermediate size {I} is not a multiple of "
                                  f"the FP8 block rows {bn}")
-            if self.weight_format == "fp8" and bk % 64:
+            if self.weight_format == "fp8" and not fp8_blocks_kept(bk):
                 raise ValueError(f"kt_serve: MoE layer {layer.layer_id}: FP8 blocks [{bn}, {bk}]: the kernel keeps "
                                  "FP8 experts as stored only for K blocks that are a multiple of 64; pass "
                                  "--kt-expert-dtype int8, int4 or bf16 to requantize them at load")
@@ -133,9 +119,9 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
         return load
 
     def _pack(self, layer) -> None:
-        from kt_serve.kernel import MoEExperts
+        from kt_serve.kernel.experts import MoEExperts
 
-        registry = get_registry()
+        _size_kernel_pool()
         config = get_config()
         kwargs = {}
         if self.fp8_block:
@@ -149,7 +135,7 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
             if hasattr(layer, name):
                 getattr(layer, name).data = torch.empty(0)
         self._loaded.clear()
-        registry.add_layer(layer.layer_id, self.experts)
+        self.adapters.experts.add_layer(layer.layer_id, self.experts)
         logger.info("kt_serve: packed MoE layer %d (E=%d, H=%d, I=%d) into the kernel: %s experts from a %s "
                     "checkpoint, %.1f MiB (isa %s)", layer.layer_id, *self.shape, self.experts.weight_format,
                     "fp8" if self.fp8_block else "bf16", self.experts.weight_bytes / 2**20, self.experts.isa)
@@ -179,7 +165,7 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
         if not self.compute_rank:
             return StandardCombineInput(hidden_states=torch.zeros_like(x))
         topk_weights, topk_ids = topk_output.topk_weights, topk_output.topk_ids
-        slots = batch.slots_for(x.shape[0], get_registry().default_slot)
+        slots = self.adapters.slots_for(x.shape[0])
         if x.device.type == "cpu":
             out = self._forward_cpu(x, topk_ids, topk_weights, slots)
         else:
@@ -217,3 +203,63 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
         y = torch.empty(x_cpu.shape, dtype=torch.bfloat16, pin_memory=pin)
         self.experts.forward_sft(x_cpu, ids_cpu, w_cpu, save_for_backward=False, slots=slots, out=y)
         return y.to(device, dtype=x.dtype, non_blocking=pin)
+
+
+# -- hooks (hooks.py registers them) --------------------------------------------------------------------------
+_fused_moe_signature = None
+
+
+def fused_moe_init(*args, **kwargs):
+    """BEFORE FusedMoE.__init__: give bf16 and FP8 MoE layers our quant method (routed experts in the kernel)."""
+    global _fused_moe_signature
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+
+    if _fused_moe_signature is None:
+        _fused_moe_signature = inspect.signature(getattr(FusedMoE.__init__, "__wrapped__", FusedMoE.__init__))
+    bound = _fused_moe_signature.bind(*args, **kwargs)
+    layer = bound.arguments["self"]
+    if getattr(layer, "is_shared_fused_moe", False):
+        return None
+    if bound.arguments.get("quant_method") is not None:
+        raise ValueError("kt_serve: this MoE layer comes with its own quant method; the kt_serve kernel takes bf16 "
+                         "and FP8 block-quantized experts; pass --kt-moe off to use SGLang's own MoE path")
+    fp8_block = checkpoint_fp8_block(bound.arguments.get("quant_config"), bound.arguments.get("prefix", ""))
+    kwargs["quant_method"] = KTRoutedExpertsMethod(fp8_block)
+    return args, kwargs
+
+
+def checkpoint_fp8_block(quant_config, prefix: str):
+    """The [rows, cols] of the FP8 scale blocks of this MoE layer's checkpoint experts, or None for bf16 experts.
+    Refuses, naming the format and the flags to use, a checkpoint quantization the kernel does not read."""
+    if quant_config is None:
+        return None
+    name = quant_config.get_name()
+    from sglang.srt.layers.quantization.fp8 import Fp8Config
+
+    if isinstance(quant_config, Fp8Config):
+        from sglang.srt.layers.quantization.utils import is_layer_skipped
+
+        if is_layer_skipped(prefix, quant_config.ignored_layers, fused_mapping=quant_config.packed_modules_mapping):
+            return None  # listed under modules_to_not_convert: bf16 experts
+        if (quant_config.is_checkpoint_fp8_serialized and quant_config.weight_block_size
+                and not getattr(quant_config, "use_mxfp8", False)):
+            return tuple(int(v) for v in quant_config.weight_block_size)
+        name = "fp8 without block scales" if quant_config.is_checkpoint_fp8_serialized else "fp8 (online)"
+    raise ValueError(f"kt_serve: MoE checkpoint quantization '{name}' is not read by the kt_serve kernel (it reads "
+                     "bf16 and FP8 block-quantized experts); serve a bf16 or FP8 checkpoint, with "
+                     "--kt-expert-dtype int8 or int4 to quantize it at load, or pass --kt-moe off")
+
+
+def check_global_adapter(result, model_runner, *args, **kwargs):
+    """AFTER ModelRunner.load_model: refuse --kt-expert-lora-path on a model without MoE layers, or naming layers
+    that are not MoE layers."""
+    config = get_config()
+    registry = get_registry()
+    if not registry.holds_experts:
+        return result
+    slots = registry.experts
+    if config.expert_lora_path and not slots.layers:
+        raise ValueError(f"--kt-expert-lora-path {config.expert_lora_path}: model "
+                         f"{model_runner.model_config.model_path} has no MoE layers with routed experts")
+    slots.check_global_complete(slots.layers)
+    return result

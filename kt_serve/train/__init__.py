@@ -30,7 +30,7 @@ def train(cfg: TrainConfig) -> list[dict]:
     import torch
     from transformers import AutoTokenizer
 
-    from kt_serve.kernel import set_num_threads
+    from kt_serve.kernel.threads import set_num_threads
     from kt_serve.train.data import SFTDataset
     from kt_serve.train.model import TrainModel
     from kt_serve.train.trainer import Trainer, prepare_output_dir

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from kt_serve.kernel_weights import WEIGHT_FORMATS
+from kt_serve.kernel.weights import WEIGHT_FORMATS
 
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 SAVE_STRATEGIES = ("steps", "epoch", "no")

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kt_serve.kernel_weights import dequantize_fp8
+from kt_serve.kernel.weights import dequantize_fp8
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from kt_serve.formats.names import ordered_target_modules
-from kt_serve.kernel import MoELoRAExperts, expert_checkpoint_contexts
+from kt_serve.train.expert_autograd import MoELoRAExperts, expert_checkpoint_contexts
 from kt_serve.train.fp8_checkpoint import Fp8Checkpoint
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")

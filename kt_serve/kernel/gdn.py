@@ -1,0 +1,80 @@
+"""Gated DeltaNet decode steps in C++ (``kt_serve._kernel.gdn_conv_update`` / ``gdn_recurrent_step``; csrc/ops/gdn.h):
+the causal conv1d of one new token per request and the recurrent gated delta-rule step, states updated in place in
+SGLang's mamba pools. :mod:`kt_serve.sglang_plugin.models.qwen35_gdn` calls these for the inputs they take (bf16 activations,
+fp32 recurrent states, padding slots negative) and keeps its torch formulas, the readable reference, for the rest.
+Each function returns None when the inputs are outside what the kernel takes.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from kt_serve import _kernel
+
+__all__ = ["conv_update", "recurrent_step"]
+
+BF16 = torch.bfloat16
+
+
+def _slots(indices: torch.Tensor) -> torch.Tensor:
+    return indices.to(torch.int32).contiguous()
+
+
+def conv_update(x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                silu: bool, indices: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """x [batch, dim] bf16; conv_states [slots, dim, K-1] bf16 (any strides); weight [dim, (1,) K] bf16; indices:
+    each row's state slot (negative: padding) or None for row i -> slot i. Returns the [batch, dim] output."""
+    if x.dim() != 2 or x.dtype != BF16 or conv_states.dtype != BF16 or weight.dtype != BF16:
+        return None
+    if bias is not None and (bias.dtype != BF16 or not bias.is_contiguous()):
+        return None
+    batch, dim = x.shape
+    width = weight.shape[-1]
+    if conv_states.dim() != 3 or conv_states.shape[1] != dim or conv_states.shape[2] != width - 1:
+        return None
+    w = weight.reshape(dim, width)
+    if not w.is_contiguous() or x.stride(1) != 1:
+        return None
+    idx = _slots(indices if indices is not None else torch.arange(batch))
+    out = torch.empty(batch, dim, dtype=BF16)
+    if batch:
+        s0, s1, s2 = conv_states.stride()
+        _kernel.gdn_conv_update(batch, dim, width, x.data_ptr(), x.stride(0), conv_states.data_ptr(),
+                                conv_states.shape[0], s0, s1, s2, idx.data_ptr(), w.data_ptr(),
+                                0 if bias is None else bias.data_ptr(), bool(silu), out.data_ptr(), dim, "auto")
+    return out
+
+
+def _heads(t: torch.Tensor, heads: int, dim: int) -> bool:
+    """t [1, batch, heads, dim] bf16 with each row's heads packed (what gdn_recurrent_step reads)."""
+    return t.dtype == BF16 and t.shape[2:] == (heads, dim) and t.stride(3) == 1 and t.stride(2) == dim
+
+
+def recurrent_step(A_log, dt_bias, q, k, v, a, b, states: torch.Tensor, indices: torch.Tensor, l2norm: bool,
+                   softplus_beta: float, softplus_threshold: float) -> Optional[torch.Tensor]:
+    """One step per request: q, k [1, batch, Hk, Dk], v [1, batch, Hv, Dv], a, b [batch, Hv] (bf16); states: the
+    pool as [slots, Hv, Dk, Dv] fp32 (any strides). Returns [batch, 1, Hv, Dv] bf16."""
+    if q.dim() != 4 or q.shape[0] != 1 or states.dtype != torch.float32 or states.dim() != 4:
+        return None
+    _, batch, hk, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    if not (_heads(q, hk, dk) and _heads(k, hk, dk) and _heads(v, hv, dv)) or k.shape[:2] != q.shape[:2] \
+            or v.shape[:2] != q.shape[:2] or states.shape[1:] != (hv, dk, dv):
+        return None
+    if any(t.dtype != BF16 or t.shape != (batch, hv) or t.stride(1) != 1 for t in (a, b)) or hv % hk \
+            or any(t.numel() != hv or t.dtype not in (BF16, torch.float32) or not t.is_contiguous()
+                   for t in (A_log, dt_bias)):
+        return None
+    idx = _slots(indices)
+    out = torch.empty(batch, 1, hv, dv, dtype=BF16)
+    if batch:
+        s0, s1, s2, s3 = states.stride()
+        _kernel.gdn_recurrent_step(batch, hk, hv, dk, dv, q.data_ptr(), q.stride(1), k.data_ptr(), k.stride(1),
+                                   v.data_ptr(), v.stride(1), a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0),
+                                   A_log.data_ptr(), A_log.dtype == BF16, dt_bias.data_ptr(), dt_bias.dtype == BF16,
+                                   states.data_ptr(), states.shape[0], s0, s1, s2, s3,
+                                   idx.data_ptr(), bool(l2norm), float(softplus_beta), float(softplus_threshold),
+                                   out.data_ptr())
+    return out
