@@ -1,1 +1,2 @@
-"""Evals and benchmarks for kt_serve: adapter effect (eval_adapter), serving speed, shared report writers."""
+"""Benchmarks and reports for kt_serve: kernel, serving and training speed (the adapter-effect scorer and the report
+writers they share live in kt_serve.harness)."""

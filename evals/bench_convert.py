@@ -27,11 +27,11 @@ sys.path.insert(0, str(REPO))
 
 from kt_serve.formats import FUSED_EXPERT_LORA_FILE, SafetensorsWriter, fused_key, save_tensors  # noqa: E402
 from kt_serve.formats.manifest import build_manifest  # noqa: E402
+from kt_serve.formats.names import kt_shapes  # noqa: E402
 
 LAYERS, E, H, I, R = 48, 128, 2048, 768, 8
 HEADS, KV_HEADS, HEAD_DIM = 32, 4, 128
-SHAPES = {"gate_lora_a": (E, R, H), "gate_lora_b": (E, I, R), "up_lora_a": (E, R, H), "up_lora_b": (E, I, R),
-          "down_lora_a": (E, R, I), "down_lora_b": (E, H, R)}
+SHAPES = kt_shapes(E, H, I, R)
 ENV = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 

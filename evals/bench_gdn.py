@@ -1,5 +1,5 @@
-"""Speed of kt_serve's torch stand-ins for the Qwen3.5 / Gated DeltaNet CPU ops (kt_serve/sglang_plugin/gdn_ops.py,
-qwen35_ops.py), called through torch.ops.sgl_kernel as SGLang 0.5.23 calls them.
+"""Speed of kt_serve's torch stand-ins for the Qwen3.5 / Gated DeltaNet CPU ops (kt_serve/sglang_plugin/models/qwen35_gdn.py,
+qwen35.py), called through torch.ops.sgl_kernel as SGLang 0.5.23 calls them.
 
     python evals/bench_gdn.py [--batches 1 8] [--prefill 512] [--threads N] [--json FILE]
 

@@ -43,7 +43,8 @@ share_cores_with_torch()  # as the plugin does for the server; before torch load
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kt_serve.kernel.experts import ExpertLoRA, MoEExperts  # noqa: E402
+from kt_serve.formats.names import KT_TENSOR_NAMES, kt_shapes  # noqa: E402
+from kt_serve.kernel.experts import LORA_FIELDS, ExpertLoRA, MoEExperts  # noqa: E402
 from kt_serve.kernel.threads import cpu_isa, num_threads, set_num_threads  # noqa: E402
 from kt_serve.kernel.weights import expert_bytes  # noqa: E402
 
@@ -228,8 +229,7 @@ class KTKernel:
             )
             self.w.share_backward_bb = method in ("INT8_SFT", "AMXFP8_SFT")  # read when the C++ object is built
             self.grads = {f"grad_{n}": torch.zeros_like(v) for n, v in lora.items()}
-            kt_names = {"gate_a": "gate_lora_a", "gate_b": "gate_lora_b", "up_a": "up_lora_a", "up_b": "up_lora_b",
-                        "down_a": "down_lora_a", "down_b": "down_lora_b"}
+            kt_names = dict(zip(LORA_FIELDS, KT_TENSOR_NAMES))
             self.w.init_lora_weights(
                 **{kt_names[n]: v for n, v in lora.items()}, **{f"grad_{kt_names[n]}": g for n, g in
                                                                 zip(lora, self.grads.values())}
@@ -318,11 +318,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     L = args.layers
     weights = [tuple((torch.randn(*s) * 0.02).bfloat16() for s in ((E, I, H), (E, I, H), (E, H, I))) for _ in range(L)]
-    lora = {
-        "gate_a": (torch.randn(E, r, H) * 0.02).bfloat16(), "gate_b": (torch.randn(E, I, r) * 0.02).bfloat16(),
-        "up_a": (torch.randn(E, r, H) * 0.02).bfloat16(), "up_b": (torch.randn(E, I, r) * 0.02).bfloat16(),
-        "down_a": (torch.randn(E, r, I) * 0.02).bfloat16(), "down_b": (torch.randn(E, H, r) * 0.02).bfloat16(),
-    }
+    lora = {f: (torch.randn(*s) * 0.02).bfloat16() for f, s in zip(LORA_FIELDS, kt_shapes(E, H, I, r).values())}
     lora_obj = ExpertLoRA(**lora, alpha=alpha)
 
     print(f"kt_serve kernel bench on {cpu_model()}: H={H} I={I} E={E} top-{k} r={r}, {threads} threads, isa={','.join(isas)} "

@@ -51,7 +51,7 @@ PARTS = [
     ("dense linears (q/k/v/o, gate, shared)", ("UnquantizedLinearMethod.apply", "linear_apply")),
     ("attention", ("KTCPUAttnBackend.forward_decode", "TorchNativeAttnBackend.forward_decode",
                    "TorchNativeAttnBackend.forward_extend")),
-    # Qwen3.5's Gated DeltaNet layers: kt_serve's CPU ops (sglang_plugin/models/qwen35_gdn.py, qwen35_ops.py)
+    # Qwen3.5's Gated DeltaNet layers: kt_serve's CPU ops (sglang_plugin/models/qwen35_gdn.py, qwen35.py)
     ("GDN ops (conv, delta rule, gating, gated norm, qkvz split)",
      ("causal_conv1d_update_cpu", "causal_conv1d_fwd_cpu", "causal_conv1d_fn_cpu",
       "fused_sigmoid_gating_delta_rule_update_cpu", "chunk_gated_delta_rule_cpu", "fused_gdn_gating_cpu",

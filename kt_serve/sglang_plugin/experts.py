@@ -206,6 +206,22 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
 
 
 # -- hooks (hooks.py registers them) --------------------------------------------------------------------------
+def keep_shared_experts_separate(context, server_args, *args, role=None, **kwargs):
+    """AFTER runtime_context.publish in a scheduler: no shared-expert fusion into the routed FusedMoE.
+
+    SGLang can fuse DeepSeek / Qwen2-MoE shared experts into FusedMoE as extra experts (by default for DeepSeek-V3
+    on CUDA). The kernel would then hold them as routed experts that expert adapters do not cover, and SGLang's LoRA
+    manager would lose its shared_experts target; kept separate, they run as SGLang's dense MLP (on the GPU).
+    """
+    if role != "scheduler":
+        return context
+    if server_args.enforce_shared_experts_fusion:
+        raise ValueError("--enforce-shared-experts-fusion: the kt_serve kernel runs routed experts only and keeps "
+                         "shared experts in SGLang's MLP; drop the flag or pass --kt-moe off")
+    context.override("kt_serve", disable_shared_experts_fusion=True)
+    return context
+
+
 _fused_moe_signature = None
 
 

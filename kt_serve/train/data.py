@@ -227,15 +227,15 @@ class SFTDataset:
 
     @classmethod
     def build(cls, cfg, tokenizer) -> "SFTDataset":
-        from kt_serve.train import data_cache
+        from kt_serve.train import data_cache, templates
 
         enable_thinking = getattr(cfg, "enable_thinking", True)
         template = get_template(cfg.template, tokenizer, enable_thinking)
         conversations = [spec.to_messages(record, i)
                          for spec in load_dataset_specs(cfg.dataset_dir, cfg.dataset_names)
                          for i, record in enumerate(spec.read_records()[: cfg.max_samples])]
-        key = data_cache.cache_key(conversations, tokenizer, template=cfg.template, enable_thinking=enable_thinking,
-                                   cutoff_len=cfg.cutoff_len)
+        key = data_cache.cache_key(conversations, tokenizer, (__file__, templates.__file__), template=cfg.template,
+                                   enable_thinking=enable_thinking, cutoff_len=cfg.cutoff_len)
         workers = getattr(cfg, "preprocessing_num_workers", None)
         encoded = data_cache.load_or_build(
             key, lambda: encode_all(conversations, template, tokenizer, cfg.cutoff_len, workers),

@@ -35,15 +35,14 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256((definition + special).encode()).hexdigest()
 
 
-def cache_key(conversations: list, tokenizer, **options) -> str:
-    from kt_serve.train import data, templates
-
+def cache_key(conversations: list, tokenizer, sources, **options) -> str:
+    """sources: the files of the code that encodes the conversations (their edits change the ids)."""
     digest = hashlib.sha256()
     digest.update(json.dumps([FORMAT_VERSION, options], sort_keys=True).encode())
     digest.update(json.dumps(conversations, ensure_ascii=False).encode())
     digest.update(tokenizer_fingerprint(tokenizer).encode())
-    for module in (data, templates):
-        digest.update(Path(module.__file__).read_bytes())
+    for source in sources:
+        digest.update(Path(source).read_bytes())
     return digest.hexdigest()[:32]
 
 

@@ -10,7 +10,7 @@ when missing. It never touches a real ``sgl_kernel`` or a working torchvision. W
 3. ``SGLANG_USE_CPU_ENGINE=1`` is required on a CPU host: a ``.pth`` sets it (setdefault) in every interpreter of
    this venv, before any sglang import, so the launcher and all spawned schedulers see it.
 
-pin_memory on CPU-only torch is handled at run time by the plugin (kt_serve/sglang_plugin/cpu_compat.py).
+pin_memory on CPU-only torch is handled at run time by the plugin (kt_serve/sglang_plugin/cpu_host/compat.py).
 """
 
 from __future__ import annotations

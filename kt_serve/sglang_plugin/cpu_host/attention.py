@@ -20,6 +20,8 @@ import logging
 
 import torch
 
+from ..log import log_once
+
 logger = logging.getLogger(__name__)
 NAME = "kt_cpu"
 
@@ -95,7 +97,6 @@ def backend_class():
                 raise ValueError(f"kt_cpu attention reads an int32 req_to_token table, SGLang's is "
                                  f"{self.req_to_token_pool.req_to_token.dtype}")
             self.step_seq_lens = self.step_req_indices = None  # int64 [batch] of the decode step in flight
-            self._logged = set()
             self._plans = {}  # layer id -> layer_plan
             logger.info("kt_serve: decode attention on the kt_serve kernel (attention backend kt_cpu, isa %s)",
                         cpu_isa())
@@ -161,10 +162,8 @@ def backend_class():
         def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
             reason = self._fallback_reason(layer, q, forward_batch)
             if reason is not None:
-                if reason not in self._logged:  # once per reason, not per layer and step
-                    self._logged.add(reason)
-                    logger.warning("kt_serve: kt_cpu attention leaves layer %d's decode to torch_native: %s",
-                                   layer.layer_id, reason)
+                log_once(logger, f"kt_cpu attention leaves layer %d's decode to torch_native: {reason}",
+                         layer.layer_id, level=logging.WARNING)  # once per reason, not per layer and step
                 return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
             Hq, Hkv, D, Dv = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, layer.v_head_dim
             q = q.reshape(-1, Hq, D)

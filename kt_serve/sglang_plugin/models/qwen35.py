@@ -23,7 +23,6 @@ import torch.nn.functional as F
 
 from ..config import local_model_config
 from ..cpu_host.compat import cpu_only_host
-from ..hooks import FLA_GATED_RMS_NORM
 from ..log import log_once
 from . import qwen35_gdn
 
@@ -100,7 +99,7 @@ def rms_norm_gated_forward_hook(original, module, x, z=None):
     """AROUND hook for fla's gated RMSNorm.forward: SGLang's own path on an accelerator or with the AMX kernel, else ours
     (the CPU branch needs AMX, the other one is Triton: "Torch not compiled with CUDA enabled"): bf16 with the norm
     before the gate (Qwen3.5) in one C++ pass (kt_serve.kernel.norm.gated_rms_norm), anything else rms_norm_gated."""
-    layernorm_gated = sys.modules.get(FLA_GATED_RMS_NORM.rsplit(".", 1)[0])
+    layernorm_gated = sys.modules.get(type(module).__module__)  # fla's layernorm_gated
     if x.device.type != "cpu" or getattr(layernorm_gated, "_use_cpu", False):
         return original(module, x, z)
     if (z is not None and module.norm_before_gate and module.activation in ("swish", "silu", "sigmoid")
