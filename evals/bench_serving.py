@@ -26,6 +26,8 @@ after row, --repeats times, the median run kept, so a slow drift of the machine 
   kt mixed      ... --enable-lora with two composite adapters; requests cycle base / :a / :b
   kt int8 / kt int4 / kt fp8   "kt base" with --kt-expert-dtype int8 / int4 / fp8 (experts quantized at load)
   kt int8 dense int8 / kt int4 dense int8 / kt int4 dense int4   ... and --kt-dense-dtype (attention too)
+  <kt row> @baseline   with --baseline-python PYTHON: the same row served from another install (a venv holding the
+                previous commit, say), so a change's before and after are measured in one run
   llama.cpp base / expert / mixed   llama-server (-t = the kernel's threads, -np = the most streams) on the same
                 weights as a BF16 GGUF and the same adapters as GGUF LoRAs (llama.cpp's own converters; the
                 composite ones through kt_serve.convert's merged PEFT adapter), chosen per request by the ``lora``
@@ -79,6 +81,7 @@ from evals.llamacpp import LlamaCpp, LlamaCppUnavailable, LlamaServer  # noqa: E
 from kt_serve.harness.report import write_report  # noqa: E402
 
 LLAMA_ROWS = ("llama.cpp base", "llama.cpp expert", "llama.cpp mixed")
+BASELINE = " @baseline"  # suffix of a kt row served from --baseline-python
 LLAMA_PEER = {"kt base": "llama.cpp base", "kt expert": "llama.cpp expert", "kt mixed": "llama.cpp mixed"}
 
 
@@ -316,6 +319,9 @@ def main(argv=None):
     ap.add_argument("--llama-server", default=None,
                     help="llama-server binary for the llama.cpp rows (default: on PATH, else built; see evals/llamacpp.py)")
     ap.add_argument("--moe-only", action="store_true", help="only the in-process MoE-layer comparison")
+    ap.add_argument("--baseline-python", default=None, metavar="PYTHON",
+                    help="also serve every kt row from this interpreter's install (e.g. a venv of the previous "
+                         "commit), as a row of the same name + ' @baseline', measured in turns with the others")
     a = ap.parse_args(argv)
     preset = PRESETS[a.preset]
     for key, value in preset.items():
@@ -324,6 +330,8 @@ def main(argv=None):
     qwen35 = a.family == "qwen3_5_moe"
     if a.rows is None:
         a.rows = ["kt moe off" if qwen35 else "sglang", "kt base", "kt expert", "kt mixed", *LLAMA_ROWS]
+    if a.baseline_python:
+        a.rows = [r for name in a.rows for r in ([name, name + BASELINE] if name.startswith("kt ") else [name])]
     out = Path(a.out or tempfile.mkdtemp(prefix="kt_bench_"))
     # in a child process: its weights (about 10 GB at the qwen3-30b-a3b shapes) are then given back before the
     # servers start (this process kept about that much resident through the run when it ran them itself)
@@ -367,6 +375,7 @@ def main(argv=None):
         **{f"kt {fmt} dense {dense}": (["--kt-expert-dtype", fmt, "--kt-dense-dtype", dense], {}, [model])
            for fmt, dense in (("int8", "int8"), ("int4", "int8"), ("int4", "int4"))},
     }
+    rows.update({name + BASELINE: rows[name] for name in list(rows) if name.startswith("kt ")})
     requests = {name: [{"model": m} for m in models] for name, (_, _, models) in rows.items()}
     # llama.cpp: adapters 0 (expert), 1 (a), 2 (b) loaded at scale 0; a request's lora field turns its own on
     on = lambda i: {"lora": [{"id": i, "scale": 1.0}]}  # noqa: E731
@@ -382,9 +391,11 @@ def main(argv=None):
         args, env, _ = rows[name]
         # the KV pool is capped by max_total_tokens; a high static fraction only keeps SGLang's memory check
         # from refusing a second large server side by side (it counts the first one's RAM)
+        python = a.baseline_python if name.endswith(BASELINE) else sys.executable
         return stack.enter_context(SGLangServer(
             model, args + ["--max-running-requests", str(max(a.streams)), "--sleep-on-idle",
-                           "--mem-fraction-static", "0.95"], env=env, max_total_tokens=8192, log_path=log))
+                           "--mem-fraction-static", "0.95"], env=env, max_total_tokens=8192, log_path=log,
+            python=python))
 
     def measure(names: list[str]) -> dict:
         """The servers of ``names`` up together (idle ones sleep, --sleep-on-idle), measured in turns."""
