@@ -34,7 +34,7 @@ T* ptr(uintptr_t a) {
 PYBIND11_MODULE(_kernel, m) {
   m.doc() = "kt_serve CPU MoE-LoRA kernel (routed SwiGLU experts with per-expert LoRA, several adapters)";
 
-  py::class_<kt::MoELoRA>(m, "MoELoRA")
+  py::class_<kt::MoEExperts>(m, "MoEExperts")
       .def(py::init([](int E, int H, int I, uintptr_t gate, int64_t gate_es, uintptr_t up, int64_t up_es,
                        uintptr_t down, int64_t down_es, int max_tokens, int max_slots, const std::string& isa,
                        const std::string& format, int group, bool fp8, uintptr_t gate_s, int64_t gate_ses,
@@ -50,7 +50,7 @@ PYBIND11_MODULE(_kernel, m) {
              w.gate_sstride = gate_ses, w.up_sstride = up_ses, w.down_sstride = down_ses;
              w.block_n = block_n, w.block_k = block_k;
              py::gil_scoped_release nogil;
-             return new kt::MoELoRA(E, H, I, w, f, group, max_tokens, max_slots, k);
+             return new kt::MoEExperts(E, H, I, w, f, group, max_tokens, max_slots, k);
            }),
            py::arg("num_experts"), py::arg("hidden"), py::arg("intermediate"), py::arg("gate"), py::arg("gate_estride"),
            py::arg("up"), py::arg("up_estride"), py::arg("down"), py::arg("down_estride"), py::arg("max_tokens"),
@@ -58,45 +58,45 @@ PYBIND11_MODULE(_kernel, m) {
            py::arg("fp8") = false, py::arg("gate_scale") = 0, py::arg("gate_sstride") = 0, py::arg("up_scale") = 0,
            py::arg("up_sstride") = 0, py::arg("down_scale") = 0, py::arg("down_sstride") = 0, py::arg("block_n") = 128,
            py::arg("block_k") = 128)
-      .def_property_readonly("format", [](const kt::MoELoRA& s) { return std::string(kt::format_name(s.format())); })
-      .def_property_readonly("weight_bytes", &kt::MoELoRA::weight_bytes)
+      .def_property_readonly("format", [](const kt::MoEExperts& s) { return std::string(kt::format_name(s.format())); })
+      .def_property_readonly("weight_bytes", &kt::MoEExperts::weight_bytes)
       .def("dequantize",
-           [](const kt::MoELoRA& s, int proj, uintptr_t out) {
+           [](const kt::MoEExperts& s, int proj, uintptr_t out) {
              py::gil_scoped_release nogil;
              s.dequantize(proj, ptr<float>(out));
            })
-      .def_property_readonly("isa", &kt::MoELoRA::isa)
-      .def_property_readonly("num_experts", &kt::MoELoRA::num_experts)
-      .def_property_readonly("hidden", &kt::MoELoRA::hidden)
-      .def_property_readonly("intermediate", &kt::MoELoRA::intermediate)
-      .def_property_readonly("max_slots", &kt::MoELoRA::max_slots)
+      .def_property_readonly("isa", &kt::MoEExperts::isa)
+      .def_property_readonly("num_experts", &kt::MoEExperts::num_experts)
+      .def_property_readonly("hidden", &kt::MoEExperts::hidden)
+      .def_property_readonly("intermediate", &kt::MoEExperts::intermediate)
+      .def_property_readonly("max_slots", &kt::MoEExperts::max_slots)
       .def("set_adapter",
-           [](kt::MoELoRA& s, int slot, int rank, float alpha, uintptr_t ga, uintptr_t gb, uintptr_t ua, uintptr_t ub,
+           [](kt::MoEExperts& s, int slot, int rank, float alpha, uintptr_t ga, uintptr_t gb, uintptr_t ua, uintptr_t ub,
               uintptr_t da, uintptr_t db) {
              py::gil_scoped_release nogil;
              s.set_adapter(slot, rank, alpha, ptr<const bf16>(ga), ptr<const bf16>(gb), ptr<const bf16>(ua),
                            ptr<const bf16>(ub), ptr<const bf16>(da), ptr<const bf16>(db));
            })
-      .def("remove_adapter", &kt::MoELoRA::remove_adapter)
-      .def("has_adapter", &kt::MoELoRA::has_adapter)
+      .def("remove_adapter", &kt::MoEExperts::remove_adapter)
+      .def("has_adapter", &kt::MoEExperts::has_adapter)
       .def("set_grad_buffers",
-           [](kt::MoELoRA& s, int slot, uintptr_t ga, uintptr_t gb, uintptr_t ua, uintptr_t ub, uintptr_t da,
+           [](kt::MoEExperts& s, int slot, uintptr_t ga, uintptr_t gb, uintptr_t ua, uintptr_t ub, uintptr_t da,
               uintptr_t db) {
              s.set_grad_buffers(slot, kt::GradBuffers{ptr<float>(ga), ptr<float>(gb), ptr<float>(ua), ptr<float>(ub),
                                                       ptr<float>(da), ptr<float>(db)});
            })
       .def("forward",
-           [](kt::MoELoRA& s, int T, int k, uintptr_t x, uintptr_t ids, bool ids64, uintptr_t w, uintptr_t slots,
+           [](kt::MoEExperts& s, int T, int k, uintptr_t x, uintptr_t ids, bool ids64, uintptr_t w, uintptr_t slots,
               int uniform_slot, uintptr_t out, bool save, double dropout, uint64_t dropout_seed) {
              py::gil_scoped_release nogil;
              s.forward(T, k, ptr<const bf16>(x), ptr<const void>(ids), ids64, ptr<const float>(w),
                        ptr<const int32_t>(slots), uniform_slot, ptr<bf16>(out), save, kt::Dropout{dropout, dropout_seed});
            })
-      .def("backward", [](kt::MoELoRA& s, uintptr_t grad_out, uintptr_t grad_x, uintptr_t grad_w) {
+      .def("backward", [](kt::MoEExperts& s, uintptr_t grad_out, uintptr_t grad_x, uintptr_t grad_w) {
         py::gil_scoped_release nogil;
         s.backward(ptr<const bf16>(grad_out), ptr<bf16>(grad_x), ptr<float>(grad_w));
       })
-      .def("release_saved", &kt::MoELoRA::release_saved);
+      .def("release_saved", &kt::MoEExperts::release_saved);
 
   auto segments = [](int n, int adapters, uintptr_t seg_lens, uintptr_t weight_indices, uintptr_t ranks,
                      uintptr_t scalings) {
@@ -127,7 +127,7 @@ PYBIND11_MODULE(_kernel, m) {
       "Segmented LoRA expand, added to y in place (csrc/ops/lora_segments.h).");
   m.def(
       "route_and_forward",
-      [](const kt::DenseLinear& gate, kt::MoELoRA& experts, int T, int k, bool renormalize, uintptr_t x,
+      [](const kt::PackedLinear& gate, kt::MoEExperts& experts, int T, int k, bool renormalize, uintptr_t x,
          uintptr_t slots, int uniform_slot, uintptr_t out) {
         py::gil_scoped_release nogil;
         kt::route_and_forward(gate, experts, T, k, renormalize, ptr<const bf16>(x), ptr<const int32_t>(slots),
@@ -149,28 +149,28 @@ PYBIND11_MODULE(_kernel, m) {
       },
       py::arg("seed"), py::arg("proj"), py::arg("rows"), py::arg("cols"), py::arg("p"), py::arg("out"),
       "Writes the LoRA dropout keep mask (csrc/moe/dropout.h) of rows t*k + j < rows as 0/1 bytes [rows, cols].");
-  py::class_<kt::DenseLinear>(m, "DenseLinear")
+  py::class_<kt::PackedLinear>(m, "PackedLinear")
       .def(py::init([](int N, int K, uintptr_t w, int64_t ldw, const std::string& format, int group,
                        const std::string& isa) {
              const kt::Kernels& k = kt::select_kernels(isa.c_str());
              const kt::Format f = kt::parse_format(format);
              py::gil_scoped_release nogil;
-             return new kt::DenseLinear(N, K, ptr<const bf16>(w), ldw, f, group, k);
+             return new kt::PackedLinear(N, K, ptr<const bf16>(w), ldw, f, group, k);
            }),
            py::arg("out_features"), py::arg("in_features"), py::arg("weight"), py::arg("ldw"),
            py::arg("format") = "bf16", py::arg("group") = 128, py::arg("isa") = "auto")
       .def("forward",
-           [](const kt::DenseLinear& s, int M, uintptr_t x, int64_t ldx, uintptr_t bias, uintptr_t y, int64_t ldy,
+           [](const kt::PackedLinear& s, int M, uintptr_t x, int64_t ldx, uintptr_t bias, uintptr_t y, int64_t ldy,
               bool y_fp32) {
              py::gil_scoped_release nogil;
              s.forward(M, ptr<const bf16>(x), ldx, ptr<const float>(bias), ptr<void>(y), ldy, y_fp32);
            })
-      .def("at", &kt::DenseLinear::at)
-      .def_property_readonly("out_features", &kt::DenseLinear::out_features)
-      .def_property_readonly("in_features", &kt::DenseLinear::in_features)
-      .def_property_readonly("format", [](const kt::DenseLinear& s) { return std::string(kt::format_name(s.format())); })
-      .def_property_readonly("weight_bytes", &kt::DenseLinear::weight_bytes)
-      .def_property_readonly("isa", &kt::DenseLinear::isa);
+      .def("at", &kt::PackedLinear::at)
+      .def_property_readonly("out_features", &kt::PackedLinear::out_features)
+      .def_property_readonly("in_features", &kt::PackedLinear::in_features)
+      .def_property_readonly("format", [](const kt::PackedLinear& s) { return std::string(kt::format_name(s.format())); })
+      .def_property_readonly("weight_bytes", &kt::PackedLinear::weight_bytes)
+      .def_property_readonly("isa", &kt::PackedLinear::isa);
 
   m.def(
       "rms_norm",
@@ -277,11 +277,11 @@ PYBIND11_MODULE(_kernel, m) {
            py::arg("hidden"), py::arg("q_heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("final_norm"),
            py::arg("final_eps"), py::arg("isa") = "auto")
       .def("add_layer",
-           [](kt::DecodeStack& s, uintptr_t input_norm, float input_eps, const kt::DenseLinear& qkv, uintptr_t qkv_bias,
+           [](kt::DecodeStack& s, uintptr_t input_norm, float input_eps, const kt::PackedLinear& qkv, uintptr_t qkv_bias,
               uintptr_t q_norm, float q_eps, uintptr_t k_norm, float k_eps, uintptr_t cos_sin, int64_t max_position,
               int rotary_dim, bool neox, uintptr_t k_cache, int64_t ldk, uintptr_t v_cache, int64_t ldv,
-              int64_t cache_slots, float scale, const kt::DenseLinear& o_proj, uintptr_t o_bias, uintptr_t post_norm,
-              float post_eps, const kt::DenseLinear& gate, kt::MoELoRA& experts, int top_k, bool renormalize) {
+              int64_t cache_slots, float scale, const kt::PackedLinear& o_proj, uintptr_t o_bias, uintptr_t post_norm,
+              float post_eps, const kt::PackedLinear& gate, kt::MoEExperts& experts, int top_k, bool renormalize) {
              s.add_layer(kt::DecoderLayer{ptr<const bf16>(input_norm), input_eps, &qkv, ptr<const float>(qkv_bias),
                                           ptr<const bf16>(q_norm), q_eps, ptr<const bf16>(k_norm), k_eps,
                                           ptr<const float>(cos_sin), max_position, rotary_dim, neox, ptr<bf16>(k_cache),

@@ -1,4 +1,4 @@
-// MoELoRA::backward (weights frozen). With gₜ = grad_out[t] and w = topk weight of the pair:
+// MoEExperts::backward (weights frozen). With gₜ = grad_out[t] and w = topk weight of the pair:
 //   q = gₜ Wd + s (gₜ Bd) Ad            (= ∂<gₜ, y>/∂h, unweighted)
 //   grad_w = <q, h>,  dh = w q,  du = dh silu(g),  dg = dh u silu'(g)
 //   dx_pair = dg Wg + du Wu + s (dg Bg) Ag + s (du Bu) Au,  grad_x[t] = Σ_k dx_pair
@@ -19,7 +19,7 @@ namespace {
 
 // C[p - b] += s T[p] BT over nc columns from c0 for the sorted pairs p in [b, end) (C: stride kBlockN): directly,
 // or, with a mask, through a zeroed tile, masked and scaled on the way.
-void lora_b_add_masked(const Kernels& kern, const DropoutMask* mask, const MoELoRA::Route& rt, int b, int end,
+void lora_b_add_masked(const Kernels& kern, const DropoutMask* mask, const MoEExperts::Route& rt, int b, int end,
                        const float* T, int64_t ldt, int r, const bf16* BT, int64_t ldb, int c0, int nc, float s,
                        float* C) {
   if (!mask) return kern.lora_b_add(end - b, T + b * ldt, ldt, r, BT, ldb, nc, s, C, kBlockN);
@@ -31,7 +31,7 @@ void lora_b_add_masked(const Kernels& kern, const DropoutMask* mask, const MoELo
 
 }  // namespace
 
-void MoELoRA::backward(const bf16* grad_out, bf16* grad_x, float* grad_w) {
+void MoEExperts::backward(const bf16* grad_out, bf16* grad_x, float* grad_w) {
   std::lock_guard<std::mutex> saved_lock(saved_mutex_);
   if (!saved_ || !saved_->pending) fail("backward() needs a preceding forward_sft(..., save_for_backward=True)");
   Saved& ws = *saved_;

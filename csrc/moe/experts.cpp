@@ -1,4 +1,4 @@
-// MoELoRA state: memory, packed base weights, adapter slots. The calls live in moe/forward.cpp and
+// MoEExperts state: memory, packed base weights, adapter slots. The calls live in moe/forward.cpp and
 // moe/backward.cpp (overview in moe/experts_internal.h), routing in moe/route.cpp; the arithmetic in
 // the per-ISA tables of isa/kernels.h.
 #include "moe/experts.h"
@@ -49,7 +49,7 @@ void pack_matrix(PackedWeights& W, const char* what, const ExpertWeights& w, con
 
 }  // namespace
 
-MoELoRA::MoELoRA(int E, int H, int I, const ExpertWeights& w, Format fmt, int group, int max_tokens, int max_slots,
+MoEExperts::MoEExperts(int E, int H, int I, const ExpertWeights& w, Format fmt, int group, int max_tokens, int max_slots,
                  const Kernels& kernels)
     : E_(E), H_(H), I_(I), max_tokens_(max_tokens), k_(kernels) {
   if (E < 1 || H < 1 || I < 1) fail("num_experts, hidden and intermediate sizes must be >= 1");
@@ -70,9 +70,9 @@ MoELoRA::MoELoRA(int E, int H, int I, const ExpertWeights& w, Format fmt, int gr
   grads_.resize(max_slots);
 }
 
-MoELoRA::~MoELoRA() = default;
+MoEExperts::~MoEExperts() = default;
 
-void MoELoRA::dequantize(int proj, float* out) const {
+void MoEExperts::dequantize(int proj, float* out) const {
   if (proj < 0 || proj > 2) fail("proj must be 0 (gate), 1 (up) or 2 (down)");
   const PackedWeights& W = proj == 0 ? gate_ : proj == 1 ? up_ : down_;
   global_pool()->parallel_for(E_, [&](int64_t e) {
@@ -82,12 +82,12 @@ void MoELoRA::dequantize(int proj, float* out) const {
   });
 }
 
-void MoELoRA::check_slot(int slot) const {
+void MoEExperts::check_slot(int slot) const {
   if (slot < 0 || slot >= static_cast<int>(slots_.size()))
     fail("slot " + std::to_string(slot) + " out of range 0.." + std::to_string(slots_.size() - 1));
 }
 
-void MoELoRA::set_adapter(int slot, int r, float alpha, const bf16* ga, const bf16* gb, const bf16* ua,
+void MoEExperts::set_adapter(int slot, int r, float alpha, const bf16* ga, const bf16* gb, const bf16* ua,
                           const bf16* ub, const bf16* da, const bf16* db) {
   check_slot(slot);
   if (r < 1) fail("LoRA rank must be >= 1");
@@ -115,25 +115,25 @@ void MoELoRA::set_adapter(int slot, int r, float alpha, const bf16* ga, const bf
   slots_[slot] = std::move(a);  // calls in flight keep the previous adapter alive through Route::keep
 }
 
-void MoELoRA::remove_adapter(int slot) {
+void MoEExperts::remove_adapter(int slot) {
   check_slot(slot);
   std::lock_guard<std::mutex> lk(slots_mutex_);
   slots_[slot].reset();
 }
 
-bool MoELoRA::has_adapter(int slot) const {
+bool MoEExperts::has_adapter(int slot) const {
   check_slot(slot);
   std::lock_guard<std::mutex> lk(slots_mutex_);
   return static_cast<bool>(slots_[slot]);
 }
 
-void MoELoRA::release_saved() {
+void MoEExperts::release_saved() {
   std::lock_guard<std::mutex> lk(saved_mutex_);
   if (saved_ && saved_->pending) fail("release_saved: a forward's state is still waiting for its backward");
   saved_.reset();
 }
 
-void MoELoRA::set_grad_buffers(int slot, const GradBuffers& g) {
+void MoEExperts::set_grad_buffers(int slot, const GradBuffers& g) {
   check_slot(slot);
   std::lock_guard<std::mutex> lk(slots_mutex_);
   grads_[slot] = g;

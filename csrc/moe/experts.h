@@ -49,14 +49,14 @@ struct GradBuffers {  // caller-owned fp32 tensors in the KT layout; accumulated
         *down_b = nullptr;
 };
 
-class MoELoRA {
+class MoEExperts {
  public:
   // The weights are packed in `format` (quantized unless they already are in it: an fp8 checkpoint packed as
   // fp8 keeps its bytes and block scales); callers may free theirs. group: K values per scale of int4, and of
   // fp8 packed from bf16 (a multiple of 64).
-  MoELoRA(int num_experts, int hidden, int intermediate, const ExpertWeights& weights, Format format, int group,
+  MoEExperts(int num_experts, int hidden, int intermediate, const ExpertWeights& weights, Format format, int group,
           int max_tokens, int max_slots, const Kernels& kernels);
-  ~MoELoRA();
+  ~MoEExperts();
 
   int num_experts() const { return E_; }
   int hidden() const { return H_; }

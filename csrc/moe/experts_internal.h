@@ -39,7 +39,7 @@ inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) 
 
 [[noreturn]] inline void fail(const std::string& msg) { throw std::invalid_argument(msg); }
 
-struct MoELoRA::Route {
+struct MoEExperts::Route {
   struct Segment {
     int e, begin, end, slot;  // pairs [begin, end) of expert e, all with one slot (-1 = base only)
   };
@@ -61,7 +61,7 @@ struct MoELoRA::Route {
 
 // Everything one forward keeps for the backward; also the scratch of a forward that saves nothing
 // (then thread-local, so concurrent calls never share it).
-struct MoELoRA::Saved {
+struct MoEExperts::Saved {
   Route route;
   int64_t ldx = 0, ldh = 0;
   Buffer<bf16> x, h;               // gathered inputs [P, ldx]; h = silu(g) u [P, ldh]
@@ -82,7 +82,7 @@ struct BackwardScratch {
 };
 
 // Route of one call; ids int64 when ids64, else int32 (moe/route.cpp).
-void build_route(MoELoRA::Route& rt, int E, int T, int k, const void* ids, bool ids64, const int32_t* slots,
+void build_route(MoEExperts::Route& rt, int E, int T, int k, const void* ids, bool ids64, const int32_t* slots,
                  int uniform_slot, const std::vector<std::shared_ptr<const Adapter>>& table);
 
 // GEMM tasks: all rows of one expert and its 64-column blocks [cb, cb_end), walked by for_row_blocks block by
@@ -92,7 +92,7 @@ struct BlockTask {
   int e, r0, r1, cb, cb_end;
 };
 // Tasks of `span` consecutive blocks of an expert (the last one of an expert may be shorter).
-std::vector<BlockTask> expert_block_tasks(const MoELoRA::Route& rt, int nblocks, int span = 1);
+std::vector<BlockTask> expert_block_tasks(const MoEExperts::Route& rt, int nblocks, int span = 1);
 
 // How many consecutive blocks of one matrix a task should take, when `tasks` tasks of one block each would do:
 // as many as leave kTasksPerThread tasks to each thread. An expert's blocks lie one after the other in memory;
@@ -103,7 +103,7 @@ int block_span(int64_t tasks, int nblocks, int nthreads);
 constexpr int kTasksPerThread = 4;
 // Whether a call's experts have on average no more rows than the pair tiles take (decode): then its GEMM tasks
 // stream weights, and long spans pay.
-bool decode_sized(const MoELoRA::Route& rt);
+bool decode_sized(const MoEExperts::Route& rt);
 
 template <class F>
 inline void for_row_blocks(const BlockTask& task, F&& f) {
@@ -121,7 +121,7 @@ struct ColumnTasks {
 // Groups of similar pair counts, spans of one block. With `long_spans`, a decode-sized call whose partial
 // outputs are small takes groups of two experts (the pair microkernels stream both blocks at once) and
 // spans of block_span's length instead, so that a task streams each of its experts' blocks in one run.
-ColumnTasks column_tasks(const MoELoRA::Route& rt, int nblocks, int nthreads, bool long_spans);
+ColumnTasks column_tasks(const MoEExperts::Route& rt, int nblocks, int nthreads, bool long_spans);
 
 // The fp32 outputs those tasks accumulate, [groups][nbH][T][64]: one task's T rows of 64 columns contiguous.
 // (As [T, H], a slice's rows are H floats apart and, H a power of two, share a few cache sets: MoE T=512 spent
@@ -143,7 +143,7 @@ struct PartialOutputs {
 
 // Calls fn(segment, r0, r1) for each segment of expert e that intersects rows [r0, r1).
 template <typename F>
-void for_segments(const MoELoRA::Route& rt, int e, int r0, int r1, F&& fn) {
+void for_segments(const MoEExperts::Route& rt, int e, int r0, int r1, F&& fn) {
   for (int i = rt.expert_seg[e]; i < rt.expert_seg[e + 1]; ++i) {
     const auto& s = rt.segs[i];
     if (s.end <= r0 || s.begin >= r1) continue;

@@ -1,4 +1,4 @@
-// MoELoRA::forward: phases A-D of moe/experts_internal.h.
+// MoEExperts::forward: phases A-D of moe/experts_internal.h.
 #include <cstring>
 
 #include "moe/experts_internal.h"
@@ -9,7 +9,7 @@ namespace {
 
 // T[p] = dropout(V[p]) Aᵀ for the sorted pairs p in [b, end) (rows of V with stride ldv, K columns), one row at
 // a time through a K-float scratch row, so no dropped copy of the inputs is ever kept.
-void lora_a_dropped(const Kernels& kern, const DropoutMask& mask, const MoELoRA::Route& rt, int b, int end,
+void lora_a_dropped(const Kernels& kern, const DropoutMask& mask, const MoEExperts::Route& rt, int b, int end,
                     const bf16* V, int64_t ldv, const bf16* A, int r, int K, float* T, int64_t ldt) {
   thread_local Buffer<float> row;
   float* dropped = row.get(K);
@@ -21,7 +21,7 @@ void lora_a_dropped(const Kernels& kern, const DropoutMask& mask, const MoELoRA:
 
 }  // namespace
 
-void MoELoRA::forward(int T, int k, const bf16* x, const void* ids, bool ids64, const float* weights,
+void MoEExperts::forward(int T, int k, const bf16* x, const void* ids, bool ids64, const float* weights,
                       const int32_t* slots, int uniform_slot, bf16* out, bool save,
                       const Dropout& dropout) {
   if (T < 0 || k < 1) fail("expected T >= 0 and k >= 1");

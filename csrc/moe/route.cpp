@@ -9,7 +9,7 @@ namespace kt {
 namespace {
 
 template <typename Id>
-void build_route_ids(MoELoRA::Route& rt, int E, int T, int k, const Id* ids, const int32_t* slots,
+void build_route_ids(MoEExperts::Route& rt, int E, int T, int k, const Id* ids, const int32_t* slots,
                      int uniform_slot, const std::vector<std::shared_ptr<const Adapter>>& table) {
   const int S = static_cast<int>(table.size());
   rt.T = T, rt.k = k;
@@ -76,7 +76,7 @@ void build_route_ids(MoELoRA::Route& rt, int E, int T, int k, const Id* ids, con
 
 }  // namespace
 
-void build_route(MoELoRA::Route& rt, int E, int T, int k, const void* ids, bool ids64, const int32_t* slots,
+void build_route(MoEExperts::Route& rt, int E, int T, int k, const void* ids, bool ids64, const int32_t* slots,
                  int uniform_slot, const std::vector<std::shared_ptr<const Adapter>>& table) {
   if (ids64)
     build_route_ids(rt, E, T, k, static_cast<const int64_t*>(ids), slots, uniform_slot, table);
@@ -84,7 +84,7 @@ void build_route(MoELoRA::Route& rt, int E, int T, int k, const void* ids, bool 
     build_route_ids(rt, E, T, k, static_cast<const int32_t*>(ids), slots, uniform_slot, table);
 }
 
-std::vector<BlockTask> expert_block_tasks(const MoELoRA::Route& rt, int nblocks, int span) {
+std::vector<BlockTask> expert_block_tasks(const MoEExperts::Route& rt, int nblocks, int span) {
   std::vector<BlockTask> tasks;
   for (int e : rt.active)
     for (int cb = 0; cb < nblocks; cb += span)
@@ -101,7 +101,7 @@ int block_span(int64_t tasks, int nblocks, int nthreads) {
   return static_cast<int>(std::clamp<int64_t>(tasks / (kTasksPerThread * static_cast<int64_t>(nthreads)), 1, nblocks));
 }
 
-bool decode_sized(const MoELoRA::Route& rt) { return rt.P <= kPairRows * static_cast<int64_t>(rt.active.size()); }
+bool decode_sized(const MoEExperts::Route& rt) { return rt.P <= kPairRows * static_cast<int64_t>(rt.active.size()); }
 
 namespace {
 
@@ -111,7 +111,7 @@ constexpr int64_t kSmallPartialBytes = int64_t(256) << 10;
 
 }  // namespace
 
-ColumnTasks column_tasks(const MoELoRA::Route& rt, int nblocks, int nthreads, bool long_spans) {
+ColumnTasks column_tasks(const MoEExperts::Route& rt, int nblocks, int nthreads, bool long_spans) {
   ColumnTasks out;
   const int nactive = static_cast<int>(rt.active.size());
   if (long_spans && nactive > 0 && decode_sized(rt) &&

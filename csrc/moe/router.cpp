@@ -42,7 +42,7 @@ thread_local Buffer<int32_t> tl_ids;
 thread_local Buffer<float> tl_weights;
 }  // namespace
 
-void route_and_forward(const DenseLinear& gate, MoELoRA& experts, int T, int k, bool renormalize, const bf16* x,
+void route_and_forward(const PackedLinear& gate, MoEExperts& experts, int T, int k, bool renormalize, const bf16* x,
                        const int32_t* slots, int uniform_slot, bf16* out) {
   const int E = experts.num_experts(), H = experts.hidden();
   if (gate.in_features() != H || gate.out_features() != E)

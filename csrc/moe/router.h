@@ -17,8 +17,8 @@ namespace kt {
 void softmax_topk(int T, int E, const bf16* logits, int64_t ld, int k, bool renormalize, int32_t* ids,
                   float* weights);
 
-// out = experts(x) routed by softmax_topk(gate(x)): T tokens, x and out bf16 [T, H]; slots as MoELoRA::forward.
-void route_and_forward(const DenseLinear& gate, MoELoRA& experts, int T, int k, bool renormalize, const bf16* x,
+// out = experts(x) routed by softmax_topk(gate(x)): T tokens, x and out bf16 [T, H]; slots as MoEExperts::forward.
+void route_and_forward(const PackedLinear& gate, MoEExperts& experts, int T, int k, bool renormalize, const bf16* x,
                        const int32_t* slots, int uniform_slot, bf16* out);
 
 }  // namespace kt

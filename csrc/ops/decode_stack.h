@@ -34,7 +34,7 @@ struct DenseLoRA {
 struct DecoderLayer {
   const bf16* input_norm;
   float input_eps;
-  const DenseLinear* qkv;  // [(Hq + 2 Hkv) D, H]
+  const PackedLinear* qkv;  // [(Hq + 2 Hkv) D, H]
   const float* qkv_bias;
   const bf16* q_norm;
   float q_eps;
@@ -50,12 +50,12 @@ struct DecoderLayer {
   int64_t ldv;
   int64_t cache_slots;
   float scale;
-  const DenseLinear* o_proj;  // [H, Hq D]
+  const PackedLinear* o_proj;  // [H, Hq D]
   const float* o_bias;
   const bf16* post_norm;
   float post_eps;
-  const DenseLinear* gate;  // [E, H], no bias
-  MoELoRA* experts;
+  const PackedLinear* gate;  // [E, H], no bias
+  MoEExperts* experts;
   int top_k;
   bool renormalize;
   DenseLoRA qkv_lora = {}, o_lora = {};  // set_lora

@@ -24,7 +24,7 @@ thread_local Buffer<float> tl_out;  // per worker: one task's fp32 tile [rows][6
 
 }  // namespace
 
-DenseLinear::DenseLinear(int N, int K, const bf16* w, int64_t ldw, Format fmt, int group, const Kernels& kern)
+PackedLinear::PackedLinear(int N, int K, const bf16* w, int64_t ldw, Format fmt, int group, const Kernels& kern)
     : k_(kern) {
   if (N <= 0 || K <= 0) throw std::invalid_argument("dense linear: N and K must be positive");
   if (ldw < K) throw std::invalid_argument("dense linear: ldw must be at least K");
@@ -34,7 +34,7 @@ DenseLinear::DenseLinear(int N, int K, const bf16* w, int64_t ldw, Format fmt, i
   });
 }
 
-void DenseLinear::forward(int M, const bf16* x, int64_t ldx, const float* bias, void* y, int64_t ldy,
+void PackedLinear::forward(int M, const bf16* x, int64_t ldx, const float* bias, void* y, int64_t ldy,
                           bool y_fp32) const {
   if (M <= 0) return;
   const int N = w_.N, K = w_.K, kp = w_.kp(), nb = w_.nblocks;

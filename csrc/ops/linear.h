@@ -11,10 +11,10 @@
 
 namespace kt {
 
-class DenseLinear {
+class PackedLinear {
  public:
   // W [N, K] bf16, rows ldw apart; quantized to fmt (group: K values per int4 / fp8 scale) in parallel.
-  DenseLinear(int N, int K, const bf16* w, int64_t ldw, Format fmt, int group, const Kernels& kern);
+  PackedLinear(int N, int K, const bf16* w, int64_t ldw, Format fmt, int group, const Kernels& kern);
 
   // y[m][n] = Σ_k x[m][k] · W[n][k] + bias[n] for m < M. x bf16 rows ldx apart; bias fp32 [N] or null;
   // y bf16 (y_fp32 false) or fp32 rows ldy apart.

@@ -155,7 +155,7 @@ class MoEExperts:
         w = prepare(gate_proj, up_proj, down_proj, gate_up_proj, weight_format=weight_format, group_size=group_size,
                     **scales)
         E, H, I = w.E, w.H, w.I
-        self._k = _kernel.MoELoRA(E, H, I, max_tokens=int(max_tokens), max_slots=int(max_slots), isa=isa,
+        self._k = _kernel.MoEExperts(E, H, I, max_tokens=int(max_tokens), max_slots=int(max_slots), isa=isa,
                                   format=weight_format, group=int(group_size), **w.args)
         del w  # packed copies live in the kernel now
         self.num_experts, self.hidden_size, self.intermediate_size = E, H, I

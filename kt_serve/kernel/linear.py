@@ -1,4 +1,4 @@
-"""Dense linear layers on the kernel's packed weights (``kt_serve._kernel.DenseLinear``).
+"""Dense linear layers on the kernel's packed weights (``kt_serve._kernel.PackedLinear``).
 
 ``y = x Wᵀ + b`` with W packed once in one of the kernel's formats (bf16, int8, int4, fp8; see
 :mod:`kt_serve.kernel.weights`). A decode step's few rows stream W through the same microkernels as the routed
@@ -41,7 +41,7 @@ class PackedLinear:
         N, K = w.shape
         if N == 0 or K == 0:
             raise ValueError(f"weight has an empty shape {tuple(w.shape)}")
-        self._k = _kernel.DenseLinear(N, K, w.data_ptr(), w.stride(0), format=weight_format,
+        self._k = _kernel.PackedLinear(N, K, w.data_ptr(), w.stride(0), format=weight_format,
                                       group=int(group_size), isa=isa)
         self.out_features, self.in_features = int(N), int(K)
         self.bias: Optional[torch.Tensor] = None
