@@ -391,11 +391,12 @@ def main(argv=None):
         args, env, _ = rows[name]
         # the KV pool is capped by max_total_tokens; a high static fraction only keeps SGLang's memory check
         # from refusing a second large server side by side (it counts the first one's RAM)
-        python = a.baseline_python if name.endswith(BASELINE) else sys.executable
+        baseline = name.endswith(BASELINE)
         return stack.enter_context(SGLangServer(
             model, args + ["--max-running-requests", str(max(a.streams)), "--sleep-on-idle",
                            "--mem-fraction-static", "0.95"], env=env, max_total_tokens=8192, log_path=log,
-            python=python))
+            # a baseline server starts outside the checkout, which `python -m` would put first on its sys.path
+            python=a.baseline_python if baseline else sys.executable, cwd=out if baseline else None))
 
     def measure(names: list[str]) -> dict:
         """The servers of ``names`` up together (idle ones sleep, --sleep-on-idle), measured in turns."""

@@ -79,7 +79,7 @@ class SGLangServer:
 
     def __init__(self, model_path, extra_args=(), *, device: str = "cpu", port: int | None = None,
                  max_total_tokens: int = 2048, startup_timeout: float = 300.0, log_path=None,
-                 env: dict[str, str | None] | None = None, python: str = sys.executable):
+                 env: dict[str, str | None] | None = None, python: str = sys.executable, cwd=None):
         self.model_path = str(model_path)
         self._port_given = port is not None
         self.startup_timeout = startup_timeout
@@ -94,6 +94,7 @@ class SGLangServer:
                 self.env.pop(key, None)
             else:
                 self.env[key] = value
+        self.cwd = cwd  # the server's working directory (None: ours); `python -m` puts it first on sys.path
         self.proc: subprocess.Popen | None = None
 
     def _use_port(self, port: int) -> None:
@@ -109,7 +110,7 @@ class SGLangServer:
             log = open(self.log_path, "wb")
             try:
                 self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                             start_new_session=True)
+                                             cwd=self.cwd, start_new_session=True)
             finally:
                 log.close()
             try:
