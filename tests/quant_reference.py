@@ -1,5 +1,5 @@
-"""Independent torch references of the kernel's quantization rules (csrc/weights/packed_weights.cpp's top comment), on fp32
-``[..., N, K]`` tensors: each returns the dequantized weights. Divisions in fp32 as in the kernel; torch.round
+"""Independent torch references of the kernel's quantization rules (csrc/weights/packed_weights.cpp's top comment), on
+fp32 ``[..., N, K]`` tensors: each returns the dequantized weights. Divisions in fp32 as in the kernel; torch.round
 rounds half to even like nearbyint. Shared by the kernel, serving and training tests."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""A Qwen3-MoE decoder stack's decode step in one call (kt_serve/kernel/decode_stack.py, csrc/ops/decode_stack.cpp) against a
-plain fp32 torch reference of the same step: RMSNorm with the residual stream, qkv projection, per-head q / k
+"""A Qwen3-MoE decoder stack's decode step in one call (kt_serve/kernel/decode_stack.py, csrc/ops/decode_stack.cpp)
+against a plain fp32 torch reference of the same step: RMSNorm with the residual stream, qkv projection, per-head q / k
 RMSNorm, rotary (neox and GPT-J pairing, partial rotary dims), attention over a paged cache holding earlier tokens
 plus this step's, o projection, softmax top-k routing and SwiGLU experts with per-request expert LoRA, final norm.
 

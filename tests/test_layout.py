@@ -84,9 +84,8 @@ def test_no_module_imports_another_modules_private_names():
 
 
 def test_sglang_internals_only_in_the_plugin():
-    found = [name for name, (path, tree) in modules().items()
-             if not name.startswith("kt_serve.sglang_plugin")
-             and any(base.startswith("sglang.srt") or base.startswith("sglang.kernels") for base, _ in imports(name, path, tree))]
+    found = [name for name, (path, tree) in modules().items() if not name.startswith("kt_serve.sglang_plugin")
+             and any(base.startswith(("sglang.srt", "sglang.kernels")) for base, _ in imports(name, path, tree))]
     assert not found, found
 
 

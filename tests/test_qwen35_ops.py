@@ -35,7 +35,8 @@ def close(actual, expected, tol=2e-2):
 
 @pytest.fixture(params=[True, False], ids=["C++", "torch"])
 def decode_path(request, monkeypatch):
-    """The decode ops (conv update, recurrent step) through csrc/ops/gdn.cpp, and through qwen35_gdn's torch formulas."""
+    """The decode ops (conv update, recurrent step) through csrc/ops/gdn.cpp, and through qwen35_gdn's torch
+    formulas."""
     monkeypatch.setattr(qwen35_gdn, "USE_KERNEL", request.param)
     return request.param
 
@@ -407,7 +408,8 @@ def test_decode_ops_take_the_kernel_for_sglang_inputs(monkeypatch):
     def torch_path(*args, **kwargs):
         raise AssertionError("the torch formulas ran")
 
-    monkeypatch.setattr(qwen35_gdn, "_valid_rows", torch_path)  # both torch decode formulas start there or at _heads_view
+    # both torch decode formulas start there or at _heads_view
+    monkeypatch.setattr(qwen35_gdn, "_valid_rows", torch_path)
     monkeypatch.setattr(qwen35_gdn, "_heads_view", torch_path)
     weight, bias, pool = _conv_setup()
     mamba.causal_conv1d_update_cpu(torch.randn(2, weight.shape[0], dtype=BF), pool, weight, bias, "silu",

@@ -1,5 +1,5 @@
-"""kt_serve.kernel.rotary.rotary_embedding (one C++ pass) against an fp32 torch rotary embedding written out here (neox and
-GPT-J pairing, partial rotary_dim, GQA head counts, q / k as strided views into a fused qkv row, rotated in place),
+"""kt_serve.kernel.rotary.rotary_embedding (one C++ pass) against an fp32 torch rotary embedding written out here (neox
+and GPT-J pairing, partial rotary_dim, GQA head counts, q / k as strided views into a fused qkv row, rotated in place),
 and against SGLang's own RotaryEmbedding.forward_native within its bf16 rounding."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The MoE block in one call (csrc/moe/router.cpp; kt_serve.kernel.MoEExperts.forward_routed) against plain torch:
-softmax top-k as SGLang's torch-native router computes it (torch.softmax, torch.topk, renormalisation), then the
+"""The MoE block in one call (csrc/moe/router.cpp; kt_serve.kernel.experts.MoEExperts.forward_routed) against plain
+torch: softmax top-k as SGLang's torch-native router computes it (torch.softmax, torch.topk, renormalisation), then the
 fp32 per-expert reference of tests/moe_reference.py.
 """
 

@@ -1,5 +1,6 @@
-"""Segmented LoRA (csrc/ops/lora_segments.cpp, kt_serve/kernel/lora_segments.py) against an fp32 per-segment loop in plain
-torch, and against SGLang's torch_native ops (sglang.srt.lora.torch_ops.lora_ops), whose semantics it takes over."""
+"""Segmented LoRA (csrc/ops/lora_segments.cpp, kt_serve/kernel/lora_segments.py) against an fp32 per-segment loop in
+plain torch, and against SGLang's torch_native ops (sglang.srt.lora.torch_ops.lora_ops), whose semantics it takes
+over."""
 
 import pytest
 import torch

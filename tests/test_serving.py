@@ -272,16 +272,16 @@ def test_mismatched_expert_adapter_refused_at_start(qwen3, workdir):
 
 def test_cpu_ops_run_on_the_kernel(server_q3):
     """On a CPU host the plugin runs the bf16 linear layers, lm_head (sglang_plugin/cpu_host/linear.py), their LoRA
-    (cpu_lora.py), RMSNorm
-    (cpu_host/norm.py), q / k norms with rotary embeddings (cpu_host/rotary.py) and whole MoE blocks (moe_block.py) on the
-    kernel, and without AMX decode attention too (cpu_host/attention.py, chosen by default where
-    SGLang would run torch_native) and whole decode steps (decode_step.py): every served-vs-reference test above
-    went through them."""
+    (cpu_host/lora_segments.py), RMSNorm (cpu_host/norm.py), q / k norms with rotary embeddings (cpu_host/rotary.py)
+    and whole MoE blocks (cpu_host/moe_block.py) on the kernel, and without AMX decode attention too
+    (cpu_host/attention.py, chosen by default where SGLang would run torch_native) and whole decode steps
+    (cpu_host/decode_stack.py): every served-vs-reference test above went through them."""
     from sglang.srt.utils.common import cpu_has_amx_support
 
     log = server_q3.log_tail(100000)
     assert "dense layers (linear and lm_head) on the kt_serve kernel" in log, log[-3000:]
-    assert "dense-layer LoRA on the kt_serve kernel (segmented" in log, log[-3000:]  # cpu_lora.py: the adapters above
+    # cpu_host/lora_segments.py: the adapters above
+    assert "dense-layer LoRA on the kt_serve kernel (segmented" in log, log[-3000:]
     if not cpu_has_amx_support():  # with AMX SGLang's own intel_amx kernels run norms, rotary, gate and attention
         assert "RMSNorm on the kt_serve kernel" in log, log[-3000:]
         assert "q / k norm and rotary embedding on the kt_serve kernel" in log, log[-3000:]  # Qwen3's, fused
@@ -289,7 +289,7 @@ def test_cpu_ops_run_on_the_kernel(server_q3):
         # both2 (router LoRA, loaded under traffic above) sent its layers' blocks back to SGLang's router, saying so
         assert "MoE blocks keep SGLang's router path: router LoRA in a loaded adapter" in log, log[-3000:]
         assert "decode attention on the kt_serve kernel (attention backend kt_cpu" in log, log[-3000:]
-        # decode batches ran as one DecodeStack call (decode_step.py), the adapters' q/k/v and o LoRA inside it
+        # decode batches ran as one DecodeStack call (cpu_host/decode_stack.py), the adapters' q/k/v and o LoRA in it
         assert re.search(r"decode steps in one kernel call \(\d+ layers and the final norm\)", log), log[-3000:]
         assert "decode steps apply SGLang's q/k/v and o LoRA inside that call" in log, log[-3000:]
     released = re.search(r"([0-9.]+) MiB of torch weights released", log)  # the tests above ran without them

@@ -7,7 +7,8 @@ SGLang + the kt_serve plugin on CPU and compared with fp32 HF transformers refer
   requantization of it, what SGLang's MLA set-up does to FP8 on a CPU, is off by 0.07 nats here). Reference: the
   fp32 checkpoint of the same dequantized weights.
 - ``--kt-expert-dtype int8`` / ``int4`` on a bf16 Qwen3-MoE. Reference: the checkpoint with its expert weights
-  replaced by tests/quant_reference.py's torch restatement of the kernel's quantization rules (csrc/weights/packed_weights.cpp).
+  replaced by tests/quant_reference.py's torch restatement of the kernel's quantization rules
+  (csrc/weights/packed_weights.cpp).
 
 Base requests and a composite adapter (attention + expert LoRA, shared-expert LoRA for DeepSeek) are compared within
 TOL over the tokens predicted before the reference's first routing near-tie. Each case also records its mean

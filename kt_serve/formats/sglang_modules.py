@@ -9,7 +9,8 @@ lossless; a part the adapter does not train is written as a zero LoRA (B = 0), w
 
 SGLang has no LoRA layer at all for the small gating projections ``lora_target: all`` also trains: the MoE router
 (``mlp.gate``), the shared-expert gate and Qwen3.5's beta / decay gates (``in_proj_b`` / ``in_proj_a``, one fused
-``in_proj_ba`` in SGLang). Those go to the plugin's own gate LoRA (``sglang_plugin/adapters/gate_lora.py``), per request.
+``in_proj_ba`` in SGLang). Those go to the plugin's own gate LoRA (``sglang_plugin/adapters/gate_lora.py``), per
+request.
 """
 
 from __future__ import annotations

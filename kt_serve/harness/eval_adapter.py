@@ -372,7 +372,8 @@ def run_eval(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kt_serve.harness.eval_adapter", description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+    p = argparse.ArgumentParser(prog="python -m kt_serve.harness.eval_adapter", description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", required=True, help="server address, e.g. http://127.0.0.1:30000 (/v1 optional)")
     p.add_argument("--served-name", required=True, help="the base model's name on the server")

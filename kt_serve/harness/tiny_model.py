@@ -4,7 +4,8 @@ No hub access: the model is built from a transformers config with a fixed seed a
 ``save_pretrained``; the tokenizer is a byte-level BPE trained on ``kt_serve/data/tiny_corpus.txt`` with the
 ChatML specials ``<|endoftext|>`` (0), ``<|im_start|>`` (1), ``<|im_end|>`` (2, also EOS).
 
-    python -m kt_serve.harness.tiny_model OUT_DIR [--family qwen3_moe|qwen2_moe|deepseek_v2|qwen3_5_moe] [--hidden-size 128] ...
+    python -m kt_serve.harness.tiny_model OUT_DIR [--family qwen3_moe|qwen2_moe|deepseek_v2|qwen3_5_moe]
+                                                  [--hidden-size 128] ...
 
 ``qwen3_5_moe`` is written as the official Qwen3.5-MoE checkpoints are: ``Qwen3_5MoeForConditionalGeneration`` (the
 text model under ``model.language_model.``, a one-block vision tower), hybrid layers (three Gated DeltaNet linear

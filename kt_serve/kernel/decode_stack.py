@@ -3,8 +3,9 @@
 Per layer: input RMSNorm (+ residual), qkv projection, per-head q / k RMSNorm and rotary, attention over the paged
 KV cache (the step's K and V stored at their slots first), o projection, post-attention RMSNorm (+ residual) and
 the MoE block (router gate, softmax top-k, routed experts with their expert-LoRA slots); then the final RMSNorm.
-The same kernel ops as :mod:`kt_serve.kernel.norm`, :class:`kt_serve.kernel.linear.PackedLinear`, :mod:`kt_serve.kernel.rotary`,
-:mod:`kt_serve.kernel.attention` and :meth:`kt_serve.kernel.MoEExperts.forward_routed`, in SGLang's order: a CPU decode
+The same kernel ops as :mod:`kt_serve.kernel.norm`, :class:`kt_serve.kernel.linear.PackedLinear`,
+:mod:`kt_serve.kernel.rotary`, :mod:`kt_serve.kernel.attention` and
+:meth:`kt_serve.kernel.experts.MoEExperts.forward_routed`, in SGLang's order: a CPU decode
 step pays no Python between them (:mod:`kt_serve.sglang_plugin.cpu_host.decode_stack` serves Qwen3-MoE decode batches
 through it).
 """
@@ -53,14 +54,15 @@ class DecodeStack:
                  final_eps: float, isa: str = "auto"):
         self.hidden, self.q_heads, self.kv_heads, self.head_dim = int(hidden), int(q_heads), int(kv_heads), int(head_dim)
         self._tensors = [_vector("final_norm", final_norm, self.hidden)]
-        self._k = _kernel.DecodeStack(self.hidden, self.q_heads, self.kv_heads, self.head_dim, final_norm.data_ptr(),
-                                      float(final_eps), isa)
+        # the C++ object (csrc); other kernel calls that take this one read it here
+        self.native = _kernel.DecodeStack(self.hidden, self.q_heads, self.kv_heads, self.head_dim,
+                                          final_norm.data_ptr(), float(final_eps), isa)
         self._experts: list[MoEExperts] = []
         self._max_tokens = None  # the fewest tokens any layer's experts take
 
     @property
     def num_layers(self) -> int:
-        return self._k.num_layers
+        return self.native.num_layers
 
     def add_layer(self, *, input_norm: torch.Tensor, input_eps: float, qkv: PackedLinear, q_norm: torch.Tensor,
                   q_eps: float, k_norm: torch.Tensor, k_eps: float, cos_sin: torch.Tensor, rotary_dim: int,
@@ -81,11 +83,12 @@ class DecodeStack:
             raise ValueError(f"k_cache has {k_cache.shape[0]} slots, v_cache {v_cache.shape[0]}")
         if gate.bias is not None:
             raise ValueError("the router gate must have no bias")
-        self._k.add_layer(input_norm.data_ptr(), float(input_eps), qkv._k, _bias(qkv), q_norm.data_ptr(), float(q_eps),
+        self.native.add_layer(input_norm.data_ptr(), float(input_eps), qkv.native, _bias(qkv), q_norm.data_ptr(),
+                              float(q_eps),
                           k_norm.data_ptr(), float(k_eps), cos_sin.data_ptr(), cos_sin.shape[0], int(rotary_dim),
                           bool(neox), k_cache.data_ptr(), k_cache.stride(0), v_cache.data_ptr(), v_cache.stride(0),
-                          k_cache.shape[0], float(scale), o_proj._k, _bias(o_proj), post_norm.data_ptr(),
-                          float(post_eps), gate._k, experts._k, int(top_k), bool(renormalize))
+                          k_cache.shape[0], float(scale), o_proj.native, _bias(o_proj), post_norm.data_ptr(),
+                          float(post_eps), gate.native, experts.native, int(top_k), bool(renormalize))
         self._tensors += [*norms, cos_sin, k_cache, v_cache] + [b for b in (qkv.bias, o_proj.bias) if b is not None]
         self._experts.append(experts)
         self._max_tokens = min(self._max_tokens or experts.max_tokens, experts.max_tokens)
@@ -111,7 +114,7 @@ class DecodeStack:
             offsets = [int(v) for v in offsets]
             args += [a.data_ptr(), a.shape[1], b.data_ptr(), b.shape[1], b.shape[2], a.shape[0], offsets]
             self._tensors += [a, b]
-        self._k.set_lora(int(layer), *args)
+        self.native.set_lora(int(layer), *args)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, req_to_token: torch.Tensor,
                 req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, cache_loc: torch.Tensor,
@@ -139,6 +142,6 @@ class DecodeStack:
             return x
         slots_ptr, uniform = self._experts[0]._slots_arg(slots, B) if self.num_layers else (0, -1)
         segments = (0, 0, 0, 0, 0, 0) if lora is None else segment_args(*lora, adapters=lora[2].numel())
-        self._k.forward(B, x.data_ptr(), positions.data_ptr(), req_to_token.data_ptr(), req_to_token.shape[0],
+        self.native.forward(B, x.data_ptr(), positions.data_ptr(), req_to_token.data_ptr(), req_to_token.shape[0],
                         req_to_token.shape[1], req_pool_indices.data_ptr(), seq_lens.data_ptr(), cache_loc.data_ptr(), slots_ptr, uniform, *segments)
         return x

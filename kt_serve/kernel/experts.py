@@ -155,7 +155,8 @@ class MoEExperts:
         w = prepare(gate_proj, up_proj, down_proj, gate_up_proj, weight_format=weight_format, group_size=group_size,
                     **scales)
         E, H, I = w.E, w.H, w.I
-        self._k = _kernel.MoEExperts(E, H, I, max_tokens=int(max_tokens), max_slots=int(max_slots), isa=isa,
+        # the C++ object (csrc); other kernel calls that take this one read it here
+        self.native = _kernel.MoEExperts(E, H, I, max_tokens=int(max_tokens), max_slots=int(max_slots), isa=isa,
                                   format=weight_format, group=int(group_size), **w.args)
         del w  # packed copies live in the kernel now
         self.num_experts, self.hidden_size, self.intermediate_size = E, H, I
@@ -168,16 +169,16 @@ class MoEExperts:
 
     @property
     def isa(self) -> str:
-        return self._k.isa
+        return self.native.isa
 
     @property
     def weight_format(self) -> str:
-        return self._k.format
+        return self.native.format
 
     @property
     def weight_bytes(self) -> int:
         """Bytes of the packed base weights (forward copies; training adds bf16 transposes on first backward)."""
-        return int(self._k.weight_bytes)
+        return int(self.native.weight_bytes)
 
     def dequantized(self) -> dict:
         """The base weights the kernel computes with, fp32: ``gate_proj``, ``up_proj`` ``[E, I, H]`` and
@@ -186,7 +187,7 @@ class MoEExperts:
         out = {}
         for proj, (name, shape) in enumerate((("gate_proj", (E, I, H)), ("up_proj", (E, I, H)), ("down_proj", (E, H, I)))):
             t = torch.empty(shape, dtype=torch.float32)
-            self._k.dequantize(proj, t.data_ptr())
+            self.native.dequantize(proj, t.data_ptr())
             out[name] = t
         return out
 
@@ -200,18 +201,18 @@ class MoEExperts:
         self._check_slot(slot)
         r = lora.check(self.num_experts, self.hidden_size, self.intermediate_size)
         t = [as_bf16(x, f"lora.{f}") for x, f in zip(lora.tensors(), LORA_FIELDS)]
-        self._k.set_adapter(slot, r, float(lora.alpha), *(x.data_ptr() for x in t))
+        self.native.set_adapter(slot, r, float(lora.alpha), *(x.data_ptr() for x in t))
         with self._lock:
             self._adapters[slot] = ExpertLoRA(*t, alpha=float(lora.alpha))
 
     def remove_adapter(self, slot: int) -> None:
         self._check_slot(slot)
-        self._k.remove_adapter(slot)
+        self.native.remove_adapter(slot)
         with self._lock:
             self._adapters.pop(slot, None)
 
     def has_adapter(self, slot: int) -> bool:
-        return self._k.has_adapter(self._check_slot(slot))
+        return self.native.has_adapter(self._check_slot(slot))
 
     def set_grad_buffers(self, slot: int, grads: ExpertLoRA) -> None:
         """Registers fp32 gradient buffers for ``slot`` (KT layout); ``backward`` accumulates into them."""
@@ -222,7 +223,7 @@ class MoEExperts:
             raise ValueError(f"slot {slot}: load an adapter before registering its gradient buffers")
         for f in LORA_FIELDS:
             expect(getattr(grads, f), f"grads.{f}", (torch.float32,), tuple(getattr(lora, f).shape))
-        self._k.set_grad_buffers(slot, *(t.data_ptr() for t in grads.tensors()))
+        self.native.set_grad_buffers(slot, *(t.data_ptr() for t in grads.tensors()))
         with self._lock:
             self._grads[slot] = grads
 
@@ -282,7 +283,7 @@ class MoEExperts:
             if save_for_backward:
                 self._saved_T, self._saved_k = 0, k
             return out
-        self._k.forward(
+        self.native.forward(
             T, k, x.data_ptr(), topk_ids.data_ptr(), topk_ids.dtype == torch.int64, topk_weights.data_ptr(),
             slots_ptr, uniform_slot, out.data_ptr(), bool(save_for_backward), dropout, dropout_seed,
         )
@@ -306,7 +307,7 @@ class MoEExperts:
             raise ValueError("the gate of forward_routed must have no bias")
         slots_ptr, uniform_slot = self._slots_arg(slots, T)
         out = torch.empty((T, self.hidden_size), dtype=torch.bfloat16)
-        _kernel.route_and_forward(gate._k, self._k, T, int(top_k), bool(renormalize), x.data_ptr(), slots_ptr,
+        _kernel.route_and_forward(gate.native, self.native, T, int(top_k), bool(renormalize), x.data_ptr(), slots_ptr,
                                   uniform_slot, out.data_ptr())
         return out
 
@@ -321,10 +322,10 @@ class MoEExperts:
         grad_w = torch.empty((T, k), dtype=torch.float32)
         self._saved_T = None
         if T > 0:
-            self._k.backward(grad_out.data_ptr(), grad_x.data_ptr(), grad_w.data_ptr())
+            self.native.backward(grad_out.data_ptr(), grad_x.data_ptr(), grad_w.data_ptr())
         return grad_x, grad_w
 
     def release_saved(self) -> None:
         """Frees the state the last forward saved (after its backward): under gradient checkpointing each layer
         then holds it only from its recompute to its backward, instead of keeping its buffers between steps."""
-        self._k.release_saved()
+        self.native.release_saved()

@@ -1,7 +1,8 @@
 """Gated DeltaNet decode steps in C++ (``kt_serve._kernel.gdn_conv_update`` / ``gdn_recurrent_step``; csrc/ops/gdn.h):
 the causal conv1d of one new token per request and the recurrent gated delta-rule step, states updated in place in
-SGLang's mamba pools. :mod:`kt_serve.sglang_plugin.models.qwen35_gdn` calls these for the inputs they take (bf16 activations,
-fp32 recurrent states, padding slots negative) and keeps its torch formulas, the readable reference, for the rest.
+SGLang's mamba pools. :mod:`kt_serve.sglang_plugin.models.qwen35_gdn` calls these for the inputs they take (bf16
+activations, fp32 recurrent states, padding slots negative) and keeps its torch formulas, the readable reference, for
+the rest.
 Each function returns None when the inputs are outside what the kernel takes.
 """
 

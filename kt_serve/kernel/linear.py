@@ -41,7 +41,8 @@ class PackedLinear:
         N, K = w.shape
         if N == 0 or K == 0:
             raise ValueError(f"weight has an empty shape {tuple(w.shape)}")
-        self._k = _kernel.PackedLinear(N, K, w.data_ptr(), w.stride(0), format=weight_format,
+        # the C++ object (csrc); other kernel calls that take this one read it here
+        self.native = _kernel.PackedLinear(N, K, w.data_ptr(), w.stride(0), format=weight_format,
                                       group=int(group_size), isa=isa)
         self.out_features, self.in_features = int(N), int(K)
         self.bias: Optional[torch.Tensor] = None
@@ -52,19 +53,19 @@ class PackedLinear:
 
     @property
     def weight_format(self) -> str:
-        return self._k.format
+        return self.native.format
 
     @property
     def weight_bytes(self) -> int:
-        return self._k.weight_bytes
+        return self.native.weight_bytes
 
     @property
     def isa(self) -> str:
-        return self._k.isa
+        return self.native.isa
 
     def dequantized(self) -> torch.Tensor:
         """W as the kernel holds it, fp32 ``[out, in]`` (slow: for tests)."""
-        return torch.tensor([[self._k.at(n, k) for k in range(self.in_features)] for n in range(self.out_features)])
+        return torch.tensor([[self.native.at(n, k) for k in range(self.in_features)] for n in range(self.out_features)])
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16, with_bias: bool = True) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.in_features:
@@ -81,7 +82,7 @@ class PackedLinear:
         y = torch.empty((M, self.out_features), dtype=out_dtype)
         if M:
             bias_ptr = self.bias.data_ptr() if self.bias is not None and with_bias else 0
-            self._k.forward(M, rows.data_ptr(), rows.stride(0), bias_ptr, y.data_ptr(), self.out_features,
+            self.native.forward(M, rows.data_ptr(), rows.stride(0), bias_ptr, y.data_ptr(), self.out_features,
                             out_dtype == torch.float32)
         return y.reshape(*lead, self.out_features)
 

@@ -1,7 +1,8 @@
 """Base expert weights on their way into the kernel: bf16 (any float dtype, converted), or an FP8 checkpoint's
 e4m3 tensors with their block scales, and the format the kernel packs them in.
 
-Formats (``csrc/weights/weight_format.h`` has the byte layouts, ``csrc/weights/packed_weights.cpp`` the quantization rules):
+Formats (``csrc/weights/weight_format.h`` has the byte layouts, ``csrc/weights/packed_weights.cpp`` the quantization
+rules):
 
 - ``bf16``: as given (an FP8 source is dequantized).
 - ``fp8``: e4m3 with one fp32 scale per (column, K group); an FP8 checkpoint keeps its bytes and
@@ -46,7 +47,8 @@ def expect(t: torch.Tensor, name: str, dtypes: tuple, shape: tuple) -> None:
 def valid_group_size(group_size) -> bool:
     """K values per int4 scale (and per fp8 scale of a requantized bf16 matrix): a positive multiple of 64, the
     K step of every ISA's tile."""
-    return not isinstance(group_size, bool) and isinstance(group_size, int) and group_size >= 64 and group_size % 64 == 0
+    return (not isinstance(group_size, bool) and isinstance(group_size, int) and group_size >= 64
+            and group_size % 64 == 0)
 
 
 def fp8_blocks_kept(block_k: int) -> bool:

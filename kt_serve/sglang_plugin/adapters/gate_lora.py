@@ -193,4 +193,9 @@ def _wrap_forward(module, gate_lora: GateLoRA, key) -> None:
         return result
 
     module.forward = forward
-    module._kt_gate_lora = True  # read by models/qwen35.py's fused-input-projection probe
+    module._kt_gate_lora = True
+
+
+def wraps(module) -> bool:
+    """Whether gate LoRA wraps this module's forward (a fused kernel reading its weight would skip the LoRA)."""
+    return getattr(module, "_kt_gate_lora", False)

@@ -1,4 +1,5 @@
-"""``--attention-backend kt_cpu``: a CPU host's decode attention in one C++ call per layer (kt_serve/kernel/attention.py).
+"""``--attention-backend kt_cpu``: a CPU host's decode attention in one C++ call per layer
+(kt_serve/kernel/attention.py).
 
 SGLang's CPU default without AMX is its torch_native backend, which decodes with a Python loop over the batch's
 requests: per request a gather of its K and V rows out of the paged pool and one SDPA call, per layer. This
@@ -146,7 +147,8 @@ def backend_class():
             if forward_batch.encoder_lens is not None:
                 return "cross attention"
             reason = self.layer_plan(layer)[0]
-            if reason is None and (self.step_req_indices is None or self.step_req_indices.shape[0] != forward_batch.batch_size):
+            indices = self.step_req_indices
+            if reason is None and (indices is None or indices.shape[0] != forward_batch.batch_size):
                 return "a decode batch without its step metadata"
             return reason
 
@@ -183,8 +185,8 @@ def backend_class():
             o = q.new_empty((q.shape[0], Hq, Dv))
             run_decode_attention(q, self.token_to_kv_pool.get_key_buffer(layer.layer_id),
                                  self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-                                 self.req_to_token_pool.req_to_token, self.step_req_indices, self.step_seq_lens, layer.scaling, o,
-                                 "auto", new_k, new_v, loc)
+                                 self.req_to_token_pool.req_to_token, self.step_req_indices, self.step_seq_lens,
+                                 layer.scaling, o, "auto", new_k, new_v, loc)
             return o.view(-1, Hq * Dv)
 
     _cls = KTCPUAttnBackend

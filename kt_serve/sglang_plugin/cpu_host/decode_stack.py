@@ -1,4 +1,5 @@
-"""A CPU host's Qwen3-MoE decode step in one kernel call (kt_serve/kernel/decode_stack.py) instead of SGLang's layer loop.
+"""A CPU host's Qwen3-MoE decode step in one kernel call (kt_serve/kernel/decode_stack.py) instead of SGLang's layer
+loop.
 
 With the plugin's CPU ops every piece of a decode layer already runs in our kernel (packed q/k/v/o and router,
 C++ RMSNorm, q / k norm + rotary, kt_cpu attention with its KV write, the MoE block), yet timing a step inside the
@@ -126,7 +127,8 @@ def _build(model, forward_batch):
         k_cache, v_cache = pool.get_key_buffer(radix.layer_id), pool.get_value_buffer(radix.layer_id)
         stack.add_layer(input_norm=layer.input_layernorm.weight.data, input_eps=layer.input_layernorm.variance_epsilon,
                         qkv=qkv, q_norm=attn.q_norm.weight.data, q_eps=attn.q_norm.variance_epsilon,
-                        k_norm=attn.k_norm.weight.data, k_eps=attn.k_norm.variance_epsilon, cos_sin=fp32_cos_sin_cache(rope),
+                        k_norm=attn.k_norm.weight.data, k_eps=attn.k_norm.variance_epsilon,
+                        cos_sin=fp32_cos_sin_cache(rope),
                         rotary_dim=rope.rotary_dim, neox=rope.is_neox_style, k_cache=k_cache, v_cache=v_cache,
                         scale=radix.scaling, o_proj=o, post_norm=layer.post_attention_layernorm.weight.data,
                         post_eps=layer.post_attention_layernorm.variance_epsilon, gate=moe.gate, experts=moe.experts,
@@ -204,8 +206,8 @@ def forward(original, model, input_ids, positions, forward_batch, input_embeds=N
         return original(model, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors)
     log_once(logger, f"decode steps in one kernel call ({plan.stack.num_layers} layers and the final norm)")
     if lora is not None:
-        log_once(logger, "decode steps apply SGLang's q/k/v and o LoRA inside that call (segmented, as its torch_native "
-                  "backend)")
+        log_once(logger, "decode steps apply SGLang's q/k/v and o LoRA inside that call (segmented, as its "
+                 "torch_native backend)")
     x = model.embed_tokens(input_ids).contiguous()
     slots = get_registry().slots_for(x.shape[0])
     return plan.stack.forward(x, positions, backend.req_to_token_pool.req_to_token, backend.step_req_indices,

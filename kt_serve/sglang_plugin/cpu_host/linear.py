@@ -3,9 +3,10 @@
 
 Without AMX, SGLang's CPU engine runs every unquantized linear (q/k/v/o, shared experts, the router, lm_head) as
 ``F.linear`` / ``torch.matmul``, whose bf16 GEMV reads weights at about half the bandwidth our kernel streams
-experts at. After the model is loaded, each such layer's weight is packed once (:class:`kt_serve.kernel.linear.PackedLinear`)
-and the layer's quant method runs it; SGLang's LoRA wrappers call that method for the base output and add their
-LoRA on top, so adapters are unaffected. Hosts with AMX keep SGLang's own packed AMX kernel.
+experts at. After the model is loaded, each such layer's weight is packed once
+(:class:`kt_serve.kernel.linear.PackedLinear`) and the layer's quant method runs it; SGLang's LoRA wrappers call that
+method for the base output and add their LoRA on top, so adapters are unaffected. Hosts with AMX keep SGLang's own
+packed AMX kernel.
 
 A packed layer's torch weight is then released (replaced by a zero-strided placeholder of the same shape and dtype,
 so shape checks still pass and a write to it, e.g. a runtime weight update the packed copy would not see, fails

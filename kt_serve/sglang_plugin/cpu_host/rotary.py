@@ -102,8 +102,8 @@ def qk_plan(attn, forward_batch) -> bool:
 
 def apply_qk_norm_rope(original, attn, qkv, positions, forward_batch):
     """AROUND Qwen3MoeAttention.apply_qk_norm_rope: the split, q_norm / k_norm per head and rotary of a CPU host's
-    attention in one C++ call (kt_serve.kernel.rotary.qk_norm_rope) instead of SGLang's split, two RMSNorm modules and the
-    rotary module, each a run of Python and dispatch that a decode step pays cold after the weight streams."""
+    attention in one C++ call (kt_serve.kernel.rotary.qk_norm_rope) instead of SGLang's split, two RMSNorm modules and
+    the rotary module, each a run of Python and dispatch that a decode step pays cold after the weight streams."""
     if (not qk_plan(attn, forward_batch) or qkv.dtype != torch.bfloat16 or qkv.device.type != "cpu" or qkv.dim() != 2
             or qkv.stride(-1) != 1 or qkv.shape[0] == 0 or not isinstance(positions, torch.Tensor)
             or positions.numel() != qkv.shape[0]):

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from ..config import local_model_config
 from ..cpu_host.compat import cpu_only_host
+from ..adapters import gate_lora
 from ..log import log_once
 from . import qwen35_gdn
 
@@ -96,7 +97,8 @@ def fused_rmsnorm_gated_cpu(input, weight, gate, eps):
 
 
 def rms_norm_gated_forward_hook(original, module, x, z=None):
-    """AROUND hook for fla's gated RMSNorm.forward: SGLang's own path on an accelerator or with the AMX kernel, else ours
+    """AROUND hook for fla's gated RMSNorm.forward: SGLang's own path on an accelerator or with the AMX kernel, else
+    ours
     (the CPU branch needs AMX, the other one is Triton: "Torch not compiled with CUDA enabled"): bf16 with the norm
     before the gate (Qwen3.5) in one C++ pass (kt_serve.kernel.norm.gated_rms_norm), anything else rms_norm_gated."""
     layernorm_gated = sys.modules.get(type(module).__module__)  # fla's layernorm_gated
@@ -169,7 +171,8 @@ _SCHEMAS = {
     "chunk_gated_delta_rule_cpu": (
         "(Tensor query, Tensor key, Tensor value, Tensor g, Tensor beta, Tensor(a!) initial_state, "
         "bool output_final_state, Tensor cu_seqlens, bool head_first, bool use_qk_l2norm_in_kernel, "
-        "Tensor? initial_state_indices=None, float eps=1e-6) -> (Tensor, Tensor)", qwen35_gdn.chunk_gated_delta_rule_cpu),
+        "Tensor? initial_state_indices=None, float eps=1e-6) -> (Tensor, Tensor)",
+        qwen35_gdn.chunk_gated_delta_rule_cpu),
 }
 
 _library = None  # kept alive: dropping the Library would unregister the ops
@@ -259,7 +262,7 @@ def lora_safe_fused_input_proj_probe(result, layer, *args, **kwargs):
         return result
 
     def probe_without_lora_wrappers():
-        if getattr(layer.in_proj_ba, "_kt_gate_lora", False):
+        if gate_lora.wraps(layer.in_proj_ba):
             return False
         try:
             return creator()
