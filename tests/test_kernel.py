@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kt_serve import _kernel
-from kt_serve.formats.names import KT_TENSOR_NAMES
+from kt_serve.formats.names import KT_TENSOR_NAMES, kt_shapes
 from kt_serve.kernel.experts import ExpertLoRA, MoEExperts
 from kt_serve.kernel.threads import num_threads, set_idle_spin_us, set_num_threads
 from kt_serve.train.expert_autograd import MoELoRAExperts
@@ -349,6 +349,38 @@ def test_replacing_a_slot_does_not_disturb_other_slots_in_flight():
     for t in threads:
         t.join()
     assert not errors
+
+
+def test_an_adapter_is_held_once_by_the_kernel():
+    """After set_adapter the kernel's packed copy is the only one: no tensor on the caller's memory, nor a Python-side
+    copy, stays alive once the caller drops its own; the output still has the adapter. The grad buffers a training slot registers are still checked against the adapter's rank."""
+    import gc
+
+    E, H, I, r, T = 16, 256, 128, 8, 6
+    gate, up, down = make_weights(E, H, I, seed=80)
+    lo = make_lora(E, H, I, r, seed=81)
+    m = MoEExperts(gate, up, down, max_slots=2)
+    x = torch.randn(T, H).to(torch.bfloat16)
+    ids, w = routing(T, 2, E, seed=82)
+    lora = ExpertLoRA.from_kt(lo, lo["alpha"])
+    m.set_adapter(1, lora)
+    ptrs = {t.data_ptr() for t in lora.tensors()}
+    del lora
+    lo = {n: lo[n].clone() for n in KT_TENSOR_NAMES} | {"alpha": lo["alpha"]}  # the reference keeps its own copy
+    gc.collect()
+    alive = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.data_ptr() in ptrs]
+    assert not alive, f"{len(alive)} tensor(s) still hold the adapter's bytes outside the kernel"
+    ref = moe_lora_reference(x, ids, w, gate, up, down, lora=lo)
+    assert rel_l2(m.forward_sft(x, ids, w, slots=1), ref) <= TOL
+    with pytest.raises(ValueError, match=r"grads\.gate_a has shape \(16, 4, 256\), expected \(16, 8, 256\)"):
+        wrong = [torch.zeros(s) for s in kt_shapes(E, H, I, 4).values()]
+        m.set_grad_buffers(1, ExpertLoRA(*wrong, alpha=1.0))
+    with pytest.raises(ValueError, match="slot 0: load an adapter before registering its gradient buffers"):
+        m.set_grad_buffers(0, ExpertLoRA(*(torch.zeros(s) for s in kt_shapes(E, H, I, r).values()), alpha=1.0))
+    m.remove_adapter(1)
+    assert not m.has_adapter(1)
+    with pytest.raises(ValueError, match="slot 1: load an adapter before registering its gradient buffers"):
+        m.set_grad_buffers(1, ExpertLoRA(*(torch.zeros(s) for s in kt_shapes(E, H, I, r).values()), alpha=1.0))
 
 
 @pytest.mark.parametrize("idle_spin_us", [0, 1000])

@@ -157,11 +157,12 @@ class MoEExperts:
         E, H, I = w.E, w.H, w.I
         # the C++ object (csrc); other kernel calls that take this one read it here
         self.native = _kernel.MoEExperts(E, H, I, max_tokens=int(max_tokens), max_slots=int(max_slots), isa=isa,
-                                  format=weight_format, group=int(group_size), **w.args)
+                                         format=weight_format, group=int(group_size), **w.args)
         del w  # packed copies live in the kernel now
         self.num_experts, self.hidden_size, self.intermediate_size = E, H, I
         self.max_tokens, self.max_slots = int(max_tokens), int(max_slots)
-        self._adapters: dict = {}  # slot -> ExpertLoRA (bf16 copies, kept for introspection)
+        # slot -> rank of the adapter there: the kernel holds the only copy of its tensors
+        self._ranks: dict[int, int] = {}
         self._grads: dict = {}  # slot -> ExpertLoRA of fp32 buffers (kept alive while registered)
         self._lock = threading.Lock()
         self._saved_T: Optional[int] = None
@@ -203,13 +204,13 @@ class MoEExperts:
         t = [as_bf16(x, f"lora.{f}") for x, f in zip(lora.tensors(), LORA_FIELDS)]
         self.native.set_adapter(slot, r, float(lora.alpha), *(x.data_ptr() for x in t))
         with self._lock:
-            self._adapters[slot] = ExpertLoRA(*t, alpha=float(lora.alpha))
+            self._ranks[slot] = r
 
     def remove_adapter(self, slot: int) -> None:
         self._check_slot(slot)
         self.native.remove_adapter(slot)
         with self._lock:
-            self._adapters.pop(slot, None)
+            self._ranks.pop(slot, None)
 
     def has_adapter(self, slot: int) -> bool:
         return self.native.has_adapter(self._check_slot(slot))
@@ -218,11 +219,12 @@ class MoEExperts:
         """Registers fp32 gradient buffers for ``slot`` (KT layout); ``backward`` accumulates into them."""
         self._check_slot(slot)
         with self._lock:
-            lora = self._adapters.get(slot)
-        if lora is None:
+            r = self._ranks.get(slot)
+        if r is None:
             raise ValueError(f"slot {slot}: load an adapter before registering its gradient buffers")
-        for f in LORA_FIELDS:
-            expect(getattr(grads, f), f"grads.{f}", (torch.float32,), tuple(getattr(lora, f).shape))
+        shapes = kt_shapes(self.num_experts, self.hidden_size, self.intermediate_size, r).values()
+        for f, shape in zip(LORA_FIELDS, shapes):
+            expect(getattr(grads, f), f"grads.{f}", (torch.float32,), shape)
         self.native.set_grad_buffers(slot, *(t.data_ptr() for t in grads.tensors()))
         with self._lock:
             self._grads[slot] = grads
