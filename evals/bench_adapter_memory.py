@@ -6,8 +6,8 @@
 Defaults are Qwen3-30B-A3B's MoE layer shapes with 4 layers. The base experts are packed in ``--base-format`` (int4
 keeps the run small; an adapter's bytes do not depend on it). Each adapter is a KT SFT output on disk (a random
 ``fused_expert_lora.safetensors`` + ``adapter_config.json``), loaded the way a server loads a composite adapter's
-expert half: ``formats.load_adapter_dir`` then ``ExpertSlots.load`` into a free kernel slot of every layer; then
-the caller drops its tensors. Printed per adapter, against its size in the kernel, 6·E·r·(H+I) bytes a layer (six
+expert half: ``formats.open_adapter_dir`` then ``ExpertSlots.load`` into a free kernel slot of every layer (which
+reads the file one layer at a time). Printed per adapter, against its size in the kernel, 6·E·r·(H+I) bytes a layer (six
 bf16 tensors: A [E, r, in], B [E, out, r]):
 
   resident  RSS after the load, minus RSS before it (freed heap given back with malloc_trim first)
@@ -34,7 +34,7 @@ share_cores_with_torch()
 
 import torch  # noqa: E402
 
-from kt_serve.formats import FUSED_EXPERT_LORA_FILE, SafetensorsWriter, fused_key, load_adapter_dir  # noqa: E402
+from kt_serve.formats import FUSED_EXPERT_LORA_FILE, SafetensorsWriter, fused_key, open_adapter_dir  # noqa: E402
 from kt_serve.formats.names import kt_shapes  # noqa: E402
 from kt_serve.kernel.experts import MoEExperts  # noqa: E402
 from kt_serve.kernel.threads import cpu_isa  # noqa: E402
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
         before = rss()
         peak = PeakRSS()
         start = time.perf_counter()
-        adapter = load_adapter_dir(out / f"adapter{i}")
+        adapter = open_adapter_dir(out / f"adapter{i}")
         slots.load(f"adapter{i}", adapter)
         del adapter
         seconds = time.perf_counter() - start

@@ -114,13 +114,16 @@ class ExpertSource:
             check_finite(self.path, f"layer {layer} {name}", tensor)
         return tensors
 
+    def read_one(self, layer: int) -> dict[str, torch.Tensor]:
+        """The six KT tensors of `layer`, from a fresh mapping of the file: touched pages of a long-open mapping stay
+        in RSS (the whole file, at the end)."""
+        with self.file.reader() as get:
+            return self.read_layer(layer, get)
+
     def iter_layers(self):
         """(layer, six KT tensors), one layer in memory at a time."""
         for layer in self.layers:
-            # A fresh mmap per layer: touched pages of a long-open mapping stay in RSS (the whole file, at the end).
-            with self.file.reader() as get:
-                tensors = self.read_layer(layer, get)
-            yield layer, tensors
+            yield layer, self.read_one(layer)
 
     def read_all(self) -> dict[int, dict[str, torch.Tensor]]:
         return dict(self.iter_layers())

@@ -33,24 +33,24 @@ class ExpertSlots:
         self.max_slots = max_slots
         self.layers: dict[int, object] = {}           # layer id -> kt_serve.kernel.experts.MoEExperts
         self.slots: dict[str, int] = {}               # adapter key -> slot
-        self.global_adapter = None                    # AdapterDir of --kt-expert-lora-path, kept until all layers pack
+        self.global_adapter = None                    # AdapterSource of --kt-expert-lora-path until all layers pack
 
     # -- layers --------------------------------------------------------------------------------------------
     def add_layer(self, layer_id: int, experts) -> None:
         """A MoE layer finished packing; give it the global adapter right away (refusing a mismatched one)."""
         self.layers[layer_id] = experts
-        if self.global_adapter is not None:
-            loras = self._layer_loras(self.global_adapter, [layer_id], require_all=False)
-            if layer_id not in loras:
-                raise AdapterError(f"--kt-expert-lora-path {self.global_adapter.path}: no expert LoRA for "
-                                   f"MoE layer {layer_id}")
-            experts.set_adapter(self.slots[GLOBAL], loras[layer_id])
+        adapter = self.global_adapter
+        if adapter is not None:
+            if layer_id not in adapter.experts.layers:
+                raise AdapterError(f"--kt-expert-lora-path {adapter.path}: no expert LoRA for MoE layer {layer_id}")
+            self._check(adapter, [layer_id], require_all=False)
+            experts.set_adapter(self.slots[GLOBAL], self._read(adapter, layer_id))
 
     def load_global(self, path: str) -> None:
-        from kt_serve.formats import load_adapter_dir
+        from kt_serve.formats import open_adapter_dir
 
-        adapter = load_adapter_dir(path)
-        if not adapter.experts:
+        adapter = open_adapter_dir(path)
+        if adapter.experts is None:
             raise AdapterError(f"--kt-expert-lora-path {path}: the adapter has no routed-expert LoRA tensors")
         self.global_adapter = adapter
         self.slots[GLOBAL] = self._free_slot(GLOBAL)
@@ -59,7 +59,7 @@ class ExpertSlots:
         """After loading: the global adapter must not name layers the model does not have as MoE layers."""
         if self.global_adapter is None:
             return
-        extra = sorted(set(self.global_adapter.experts) - set(moe_layer_ids))
+        extra = sorted(set(self.global_adapter.experts.layers) - set(moe_layer_ids))
         if extra:
             raise AdapterError(f"--kt-expert-lora-path {self.global_adapter.path}: expert LoRA for layer(s) "
                                f"{extra}, which are not MoE layers of this model")
@@ -76,15 +76,17 @@ class ExpertSlots:
         return self.slots.get(lora_id, self.default_slot)
 
     def load(self, key: str, adapter) -> None:
-        """Put the expert half of ``adapter`` (an AdapterDir) into a free slot of every MoE layer, or nothing."""
+        """Put the expert half of ``adapter`` (an opened AdapterSource) into a free slot of every MoE layer, or
+        nothing. Names and shapes are checked for every layer first; then the file is read one layer at a time, so
+        the load holds the kernel's copy plus one layer (a value error found on the way undoes what was set)."""
         if key in self.slots:
             raise AdapterError(f"expert adapter {key} is already loaded")
-        loras = self._layer_loras(adapter, sorted(self.layers), require_all=True)
+        self._check(adapter, sorted(self.layers), require_all=True)
         slot = self._free_slot(key)
         done = []
         try:
-            for layer_id, lora in loras.items():
-                self.layers[layer_id].set_adapter(slot, lora)
+            for layer_id in sorted(self.layers):
+                self.layers[layer_id].set_adapter(slot, self._read(adapter, layer_id))
                 done.append(layer_id)
         except BaseException:
             for layer_id in done:
@@ -108,18 +110,16 @@ class ExpertSlots:
         raise AdapterError(f"cannot load expert adapter {key}: all {self.max_slots} expert slots are in use "
                            f"(raise --kt-max-expert-loras or unload an adapter)")
 
-    def _layer_loras(self, adapter, layer_ids, *, require_all: bool) -> dict:
-        """Validated ``ExpertLoRA`` per layer; raises naming the file, layer, tensor and both shapes."""
-        from kt_serve.kernel.experts import ExpertLoRA
-
-        extra = sorted(set(adapter.experts) - set(self.layers)) if require_all else []
+    def _check(self, adapter, layer_ids, *, require_all: bool) -> None:
+        """The adapter's expert layers and tensor shapes against these MoE layers, from the file's header (nothing
+        read yet); raises naming the file, layer, tensor and both shapes."""
+        source = adapter.experts
+        extra = sorted(set(source.layers) - set(self.layers)) if require_all else []
         if extra:
             raise AdapterError(f"{adapter.path}: expert LoRA for layer(s) {extra}, which are not MoE layers "
                                f"of this model (MoE layers: {sorted(self.layers)})")
-        out = {}
         for layer_id in layer_ids:
-            tensors = adapter.experts.get(layer_id)
-            if tensors is None:
+            if layer_id not in source.layers:
                 if require_all:
                     raise AdapterError(f"{adapter.path}: no expert LoRA for MoE layer {layer_id}")
                 continue
@@ -127,15 +127,17 @@ class ExpertSlots:
             E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
             want = kt_shapes(E, H, I, adapter.rank)
             for name in KT_TENSOR_NAMES:
-                if name not in tensors:
-                    raise AdapterError(f"{adapter.path}: layer {layer_id} lacks expert tensor {name}")
-                got = tuple(tensors[name].shape)
+                got = source.kt_shape(name)
                 if got != want[name]:
                     raise AdapterError(
                         f"{adapter.path}: layer {layer_id} {name} has shape {list(got)}, the model expects "
                         f"{list(want[name])} (E={E}, H={H}, I={I}, r={adapter.rank})")
-            out[layer_id] = ExpertLoRA.from_kt(tensors, float(adapter.alpha))
-        return out
+
+    @staticmethod
+    def _read(adapter, layer_id: int):
+        from kt_serve.kernel.experts import ExpertLoRA
+
+        return ExpertLoRA.from_kt(adapter.experts.read_one(layer_id), float(adapter.alpha))
 
 
 class AdapterRegistry:

@@ -44,7 +44,7 @@ def _fingerprint(path: Path) -> str:
 @dataclass
 class SplitAdapter:
     sglang_path: str          # what SGLang's LoRA manager loads
-    experts: object | None    # AdapterDir with the routed-expert half, or None
+    experts: object | None    # AdapterSource with the routed-expert half (its tensors still on disk), or None
     gates: dict               # gate LoRA (formats.sglang_modules.split_gate_modules), for gate_lora
     scaling: float            # lora_alpha / r of the adapter
 
@@ -56,14 +56,14 @@ def split_composite(path: str, gdn_dims=None) -> SplitAdapter:
     Qwen3.5's in_proj_qkv, with the model's ``gdn_dims``) gets the half SGLang applies written (once) to
     ``<cache>/<fingerprint>/nonexpert`` in SGLang's names; a module nothing can apply is refused here.
     """
-    from kt_serve.formats import load_adapter_dir, nonexpert_config, write_peft_adapter
+    from kt_serve.formats import nonexpert_config, open_adapter_dir, write_peft_adapter
     from kt_serve.formats.sglang_modules import needs_sglang_names, split_gate_modules, to_sglang_modules
 
-    adapter = load_adapter_dir(path)
+    adapter = open_adapter_dir(path)  # expert tensors stay on disk: the registry reads them layer by layer
     scaling = float(adapter.alpha) / adapter.rank if adapter.rank else 1.0
     rename = needs_sglang_names(adapter.nonexpert)
-    experts = adapter if adapter.experts else None
-    if not adapter.experts and not rename:
+    experts = adapter if adapter.experts is not None else None
+    if experts is None and not rename:
         return SplitAdapter(path, None, {}, scaling)
     nonexpert, gates = split_gate_modules(path, adapter.nonexpert)
     if not nonexpert and not gates:
