@@ -84,11 +84,11 @@ class DecodeStack:
         if gate.bias is not None:
             raise ValueError("the router gate must have no bias")
         self.native.add_layer(input_norm.data_ptr(), float(input_eps), qkv.native, _bias(qkv), q_norm.data_ptr(),
-                              float(q_eps),
-                          k_norm.data_ptr(), float(k_eps), cos_sin.data_ptr(), cos_sin.shape[0], int(rotary_dim),
-                          bool(neox), k_cache.data_ptr(), k_cache.stride(0), v_cache.data_ptr(), v_cache.stride(0),
-                          k_cache.shape[0], float(scale), o_proj.native, _bias(o_proj), post_norm.data_ptr(),
-                          float(post_eps), gate.native, experts.native, int(top_k), bool(renormalize))
+                              float(q_eps), k_norm.data_ptr(), float(k_eps), cos_sin.data_ptr(), cos_sin.shape[0],
+                              int(rotary_dim), bool(neox), k_cache.data_ptr(), k_cache.stride(0), v_cache.data_ptr(),
+                              v_cache.stride(0), k_cache.shape[0], float(scale), o_proj.native, _bias(o_proj),
+                              post_norm.data_ptr(), float(post_eps), gate.native, experts.native, int(top_k),
+                              bool(renormalize))
         self._tensors += [*norms, cos_sin, k_cache, v_cache] + [b for b in (qkv.bias, o_proj.bias) if b is not None]
         self._experts.append(experts)
         self._max_tokens = min(self._max_tokens or experts.max_tokens, experts.max_tokens)
@@ -140,8 +140,9 @@ class DecodeStack:
             raise ValueError("req_to_token must be a contiguous int32 tensor [requests, context]")
         if B == 0:
             return x
-        slots_ptr, uniform = self._experts[0]._slots_arg(slots, B) if self.num_layers else (0, -1)
+        slots_ptr, uniform = self._experts[0].slots_arg(slots, B) if self.num_layers else (0, -1)
         segments = (0, 0, 0, 0, 0, 0) if lora is None else segment_args(*lora, adapters=lora[2].numel())
         self.native.forward(B, x.data_ptr(), positions.data_ptr(), req_to_token.data_ptr(), req_to_token.shape[0],
-                        req_to_token.shape[1], req_pool_indices.data_ptr(), seq_lens.data_ptr(), cache_loc.data_ptr(), slots_ptr, uniform, *segments)
+                            req_to_token.shape[1], req_pool_indices.data_ptr(), seq_lens.data_ptr(),
+                            cache_loc.data_ptr(), slots_ptr, uniform, *segments)
         return x

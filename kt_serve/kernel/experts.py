@@ -229,7 +229,7 @@ class MoEExperts:
         with self._lock:
             self._grads[slot] = grads
 
-    def _slots_arg(self, slots, T: int) -> tuple:
+    def slots_arg(self, slots, T: int) -> tuple:
         """(per-token slots address or 0, the slot every token uses when that address is 0)."""
         if slots is None:
             return 0, -1
@@ -275,7 +275,7 @@ class MoEExperts:
             raise ValueError("topk_ids must have at least one column")
         if T > self.max_tokens:
             raise ValueError(f"x has T={T} tokens, more than max_tokens={self.max_tokens} of this MoEExperts")
-        slots_ptr, uniform_slot = self._slots_arg(slots, T)
+        slots_ptr, uniform_slot = self.slots_arg(slots, T)
         dropout, dropout_seed = check_dropout(dropout), check_seed(dropout_seed)
         if out is None:
             out = torch.empty((T, self.hidden_size), dtype=torch.bfloat16)
@@ -307,7 +307,7 @@ class MoEExperts:
             raise ValueError(f"top_k must be in 1..{self.num_experts}, got {top_k}")
         if gate.bias is not None:
             raise ValueError("the gate of forward_routed must have no bias")
-        slots_ptr, uniform_slot = self._slots_arg(slots, T)
+        slots_ptr, uniform_slot = self.slots_arg(slots, T)
         out = torch.empty((T, self.hidden_size), dtype=torch.bfloat16)
         _kernel.route_and_forward(gate.native, self.native, T, int(top_k), bool(renormalize), x.data_ptr(), slots_ptr,
                                   uniform_slot, out.data_ptr())

@@ -83,7 +83,7 @@ class PackedLinear:
         if M:
             bias_ptr = self.bias.data_ptr() if self.bias is not None and with_bias else 0
             self.native.forward(M, rows.data_ptr(), rows.stride(0), bias_ptr, y.data_ptr(), self.out_features,
-                            out_dtype == torch.float32)
+                                out_dtype == torch.float32)
         return y.reshape(*lead, self.out_features)
 
     __call__ = forward

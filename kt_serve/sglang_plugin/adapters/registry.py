@@ -192,6 +192,8 @@ def get_registry() -> AdapterRegistry:
     """This process's AdapterRegistry (created on first use, with the global expert adapter where this rank holds
     experts)."""
     global _registry
+    if _registry is not None:  # read per MoE layer and step: no lock once it exists
+        return _registry
     with _registry_lock:
         if _registry is None:
             config = get_config()

@@ -107,7 +107,8 @@ def _build(model, forward_batch):
         moe = block_plan(layer.mlp) if getattr(layer, "is_layer_sparse", False) else "a dense MLP layer"
         if isinstance(moe, str):
             return f"layer {i}'s MoE block: {moe}"
-        qkv, o = packed_of(attn.qkv_proj), packed_of(attn.o_proj)
+        # the stack applies SGLang's q/k/v and o LoRA itself (_layer_lora): the base layers' packed weights
+        qkv, o = (packed_of(getattr(m, "base_layer", m)) for m in (attn.qkv_proj, attn.o_proj))
         if qkv is None or o is None:
             return f"layer {i}'s attention projections are not packed layers"
         if not (plain_norm(layer.input_layernorm, H) and plain_norm(layer.post_attention_layernorm, H)):
@@ -211,5 +212,4 @@ def forward(original, model, input_ids, positions, forward_batch, input_embeds=N
     x = model.embed_tokens(input_ids).contiguous()
     slots = get_registry().slots_for(x.shape[0])
     return plan.stack.forward(x, positions, backend.req_to_token_pool.req_to_token, backend.step_req_indices,
-                              backend.step_seq_lens,
-                              forward_batch.out_cache_loc, slots, lora)
+                              backend.step_seq_lens, forward_batch.out_cache_loc, slots, lora)

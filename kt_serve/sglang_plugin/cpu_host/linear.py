@@ -42,8 +42,8 @@ _PACKED = "_kt_dense"  # the PackedLinear of a module
 
 
 def packed_of(module):
-    """The PackedLinear of a linear layer (or of the base layer inside SGLang's LoRA wrapper), or None."""
-    return getattr(getattr(module, "base_layer", module), _PACKED, None)
+    """The PackedLinear of a linear layer, or None (SGLang's LoRA wrapper has none: its base_layer may)."""
+    return getattr(module, _PACKED, None)
 
 
 def _packable(module) -> bool:
@@ -103,7 +103,7 @@ def pack_model(model, enable_lora: bool = False, dense_dtype: str = "bf16", grou
 
 def run(layer, x: torch.Tensor, bias=None):
     """The layer's output through its PackedLinear, or None when it has none (or x is not a CPU bf16 tensor)."""
-    packed = getattr(layer, _PACKED, None)
+    packed = packed_of(layer)
     if packed is None or x.device.type != "cpu" or x.dtype != torch.bfloat16:
         return None
     if bias is None or bias is getattr(layer, "bias", None):  # the layer's own bias is packed with it (fp32)
@@ -120,7 +120,7 @@ def linear_apply(original, method, layer, x, bias=None):
 def compute_lm_head(original, processor, hidden_states, lm_head, embedding_bias=None, **kwargs):
     """AROUND LogitsProcessor._compute_lm_head: a packed lm_head (not LoRA-wrapped) gives the logits, in fp32
     where SGLang would compute them in fp32, else in the hidden states' dtype as its matmul does."""
-    packed = getattr(lm_head, _PACKED, None)
+    packed = packed_of(lm_head)
     if (packed is None or hasattr(lm_head, "set_lora") or hidden_states.device.type != "cpu"
             or hidden_states.dtype != torch.bfloat16):
         return original(processor, hidden_states, lm_head, embedding_bias, **kwargs)
