@@ -27,9 +27,9 @@ def test_uniform_batch_passes_one_slot_and_no_batch_uses_default():
 
 def test_config_round_trips_through_the_environment():
     env = {}
-    KTServeConfig(expert_lora_path="/x", threads=3, max_expert_loras=5).export(env)
+    KTServeConfig(expert_lora_path="/x", threads=3, max_expert_loras="5").export(env)
     assert env["KT_SERVE_EXPERT_LORA_PATH"] == "/x" and env["KT_SERVE_THREADS"] == "3"
-    assert KTServeConfig.from_env(env) == KTServeConfig(expert_lora_path="/x", threads=3, max_expert_loras=5)
+    assert KTServeConfig.from_env(env) == KTServeConfig(expert_lora_path="/x", threads=3, max_expert_loras="5")
     with pytest.raises(ValueError, match="kt-moe"):
         KTServeConfig(moe="maybe")
 
@@ -151,3 +151,16 @@ def test_kt_cpu_attention_is_the_default_only_where_it_replaces_torch_native(tmp
         setattr(ns, key, value)
     cpu_attention.default_on_cpu(ns, cpu_ops)
     assert ns.attention_backend == expected
+
+
+def test_expert_adapter_budget_is_a_count_a_size_or_auto():
+    from kt_serve.sglang_plugin.config import ExpertBudget
+
+    assert ExpertBudget.parse("8") == ExpertBudget(slots=8) and ExpertBudget.parse(8).kernel_slots == 8
+    assert ExpertBudget.parse("24GiB") == ExpertBudget(nbytes=24 * 2**30)
+    assert ExpertBudget.parse("1.5 gib").nbytes == 3 * 2**29 and ExpertBudget.parse("512MB").nbytes == 512 * 10**6
+    auto = ExpertBudget.parse("auto")
+    assert auto.auto and auto.resolved(4 * 2**30) == ExpertBudget(nbytes=2**30, auto=True)
+    for bad in ("0", "-3", "lots", "12 GB of RAM", "0GiB"):
+        with pytest.raises(ValueError, match=rf"^--kt-max-expert-loras={bad}: expected"):
+            KTServeConfig(max_expert_loras=bad)

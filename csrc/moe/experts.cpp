@@ -91,7 +91,16 @@ void MoEExperts::set_adapter(int slot, int r, float alpha, const bf16* ga, const
                           const bf16* ub, const bf16* da, const bf16* db) {
   check_slot(slot);
   if (r < 1) fail("LoRA rank must be >= 1");
-  auto a = std::make_shared<Adapter>();
+  std::shared_ptr<Adapter> a;
+  {
+    // An adapter pool replaces an evicted adapter with the next one, mostly of the same rank: when no call holds the
+    // old one, its buffers are rewritten in place (no new allocation, no page faults on the copy). The slot reads
+    // empty until the new adapter is in; a call in flight holding the old one makes this a fresh allocation.
+    std::lock_guard<std::mutex> lk(slots_mutex_);
+    if (slots_[slot] && slots_[slot].use_count() == 1 && slots_[slot]->rank == r)
+      a = std::const_pointer_cast<Adapter>(std::move(slots_[slot]));
+  }
+  if (!a) a = std::make_shared<Adapter>();
   a->rank = r;
   a->scale = alpha / static_cast<float>(r);
   // A [E, r, in] kept as is; B [E, out, r] stored transposed as [E, r, out].

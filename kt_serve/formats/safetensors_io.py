@@ -11,6 +11,7 @@ import shutil
 import struct
 import tempfile
 import uuid
+import weakref
 from pathlib import Path
 from typing import Iterator, Mapping
 
@@ -35,6 +36,7 @@ class TensorFile:
     def __init__(self, path: Path, tensors: Mapping[str, torch.Tensor] | None = None):
         self.path = Path(path)
         self._tensors = tensors  # in-memory (adapter_model.bin, or a dict handed over by the caller)
+        self._held = None  # weakref.finalize closing the descriptor hold_open() keeps
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.dtypes: dict[str, torch.dtype] = {}
         if tensors is not None:
@@ -51,10 +53,24 @@ class TensorFile:
                     raise FormatError(self.path, f"{key} has unsupported dtype {view.get_dtype()}")
                 self.shapes[key], self.dtypes[key] = tuple(view.get_shape()), dtype
 
+    def hold_open(self) -> None:
+        """Keep the file open: later reads see these bytes even after the path is removed or replaced (an adapter
+        registered once and read again on every load into the kernel). close() lets go."""
+        if self._tensors is None and self._held is None:
+            fd = os.open(self.path, os.O_RDONLY)
+            self._held = weakref.finalize(self, os.close, fd)
+            self._fd = fd
+
+    def close(self) -> None:
+        if self._held is not None:
+            self._held()
+            self._held = None
+
     @contextlib.contextmanager
     def _open(self):
+        source = f"/proc/self/fd/{self._fd}" if self._held is not None else str(self.path)
         try:
-            with safe_open(str(self.path), framework="pt", device="cpu") as handle:
+            with safe_open(source, framework="pt", device="cpu") as handle:
                 yield handle
         except (SafetensorError, OSError) as exc:
             problem = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

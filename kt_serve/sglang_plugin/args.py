@@ -25,7 +25,10 @@ FLAGS = [
     ("--kt-threads", "threads", dict(type=int, default=0,
                                      help="kt_serve: CPU threads of the MoE kernel (0 = all physical cores)")),
     ("--kt-max-expert-loras", "max_expert_loras",
-     dict(type=int, default=8, help="kt_serve: expert-adapter slots kept in the kernel per MoE layer")),
+     dict(default="auto", help="kt_serve: expert adapters resident in the kernel at once (the global one "
+                               "included): a count (8), a size (24GiB) or 'auto' (default: a quarter of the memory "
+                               "available once the model is loaded); more are registered and loaded on use, the "
+                               "least recently used (--lora-eviction-policy) evicted")),
     ("--kt-expert-dtype", "expert_dtype",
      dict(choices=["auto", *WEIGHT_FORMATS], default="auto",
           help="kt_serve: format of the routed experts in the kernel: 'auto' (default) keeps the checkpoint's "

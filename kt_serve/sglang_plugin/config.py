@@ -9,12 +9,64 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, fields
 
 from kt_serve.kernel.threads import share_cores_with_torch
 
 ENV_PREFIX = "KT_SERVE_"
 DENSE_FORMATS = ("bf16", "int8", "int4")
+
+AUTO_FRACTION = 4          # auto budget: a quarter of the memory available once the model is loaded
+BYTE_BUDGET_SLOTS = 64     # kernel slots per layer under a byte budget (a slot costs a pointer until used)
+_UNITS = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+@dataclass(frozen=True)
+class ExpertBudget:
+    """How many expert adapters stay resident: ``slots`` adapters, or ``nbytes`` of kernel memory (auto: sized
+    from the memory available once the model is loaded)."""
+
+    slots: int | None = None
+    nbytes: int | None = None
+    auto: bool = False
+
+    @classmethod
+    def parse(cls, text) -> "ExpertBudget":
+        value = str(text).strip().lower()
+        if value == "auto":
+            return cls(auto=True)
+        if value.isdigit():
+            if int(value) < 1:
+                raise ValueError(f"--kt-max-expert-loras={text}: expected >= 1 adapters")
+            return cls(slots=int(value))
+        match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmgt]i?b)", value)
+        if match is None or float(match.group(1)) <= 0:
+            raise ValueError(f"--kt-max-expert-loras={text}: expected a number of adapters (8), a size (24GiB, "
+                             f"512MiB) or auto")
+        return cls(nbytes=int(float(match.group(1)) * _UNITS[match.group(2)]))
+
+    @property
+    def kernel_slots(self) -> int:
+        return self.slots if self.slots is not None else BYTE_BUDGET_SLOTS
+
+    def resolved(self, available_bytes: int) -> "ExpertBudget":
+        return ExpertBudget(nbytes=available_bytes // AUTO_FRACTION, auto=True) if self.auto else self
+
+    def describe(self) -> str:
+        if self.slots is not None:
+            return f"{self.slots} adapters"
+        if self.nbytes is None:
+            return "auto (unresolved)"
+        return f"{size_text(self.nbytes)}" + (f" (auto: 1/{AUTO_FRACTION} of the memory available after load)"
+                                        if self.auto else "")
+
+
+def size_text(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes / 2**10:.1f} KiB"
 
 
 @dataclass(frozen=True)
@@ -25,8 +77,8 @@ class KTServeConfig:
     expert_lora_path: str | None = None
     # kernel worker threads (0: the kernel's default, all physical cores)
     threads: int = 0
-    # expert-adapter slots per MoE layer (global adapter + composite adapters loaded at once)
-    max_expert_loras: int = 8
+    # expert adapters resident in the kernel at once (global adapter included): a count, a size ("24GiB") or auto
+    max_expert_loras: str = "auto"
     # where composite adapters are split into their SGLang (non-expert) half
     lora_cache_dir: str | None = None
     # format of the routed experts in the kernel: auto (the checkpoint's: bf16 or fp8), bf16, fp8, int8, int4
@@ -41,8 +93,7 @@ class KTServeConfig:
     def __post_init__(self):
         if self.moe not in ("on", "off"):
             raise ValueError(f"--kt-moe={self.moe!r}: expected 'on' or 'off'")
-        if self.max_expert_loras < 1:
-            raise ValueError(f"--kt-max-expert-loras={self.max_expert_loras}: expected >= 1")
+        ExpertBudget.parse(self.max_expert_loras)
         from kt_serve.kernel.weights import WEIGHT_FORMATS, valid_group_size
 
         if self.expert_dtype != "auto" and self.expert_dtype not in WEIGHT_FORMATS:

@@ -128,7 +128,7 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
             kwargs = dict(gate_up_scale_inv=layer.w13_weight_scale_inv.data, down_scale_inv=layer.w2_weight_scale_inv.data,
                           weight_block_size=self.fp8_block)
         self.experts = MoEExperts(gate_up_proj=layer.w13_weight.data, down_proj=layer.w2_weight.data,
-                                  max_slots=config.max_expert_loras, weight_format=self.weight_format,
+                                  max_slots=self.adapters.experts.budget.kernel_slots, weight_format=self.weight_format,
                                   group_size=config.expert_group_size, **kwargs)
         # the kernel holds its own packed copy now: release SGLang's
         for name in ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv"):
@@ -268,14 +268,16 @@ def checkpoint_fp8_block(quant_config, prefix: str):
 
 def check_global_adapter(result, model_runner, *args, **kwargs):
     """AFTER ModelRunner.load_model: refuse --kt-expert-lora-path on a model without MoE layers, or naming layers
-    that are not MoE layers."""
+    that are not MoE layers; size an auto expert-adapter budget from the memory available now and log it."""
     config = get_config()
     registry = get_registry()
     if not registry.holds_experts:
         return result
-    slots = registry.experts
-    if config.expert_lora_path and not slots.layers:
+    import psutil
+
+    pool = registry.experts
+    if config.expert_lora_path and not pool.layers:
         raise ValueError(f"--kt-expert-lora-path {config.expert_lora_path}: model "
                          f"{model_runner.model_config.model_path} has no MoE layers with routed experts")
-    slots.check_global_complete(slots.layers)
+    pool.finish_load(psutil.virtual_memory().available)
     return result

@@ -36,6 +36,7 @@ QWEN3_MOE_ATTENTION = "sglang.srt.models.qwen3_moe.Qwen3MoeAttention"
 QWEN35_GATED_DELTA_NET = "sglang.srt.models.qwen3_5.Qwen3_5GatedDeltaNet"
 FLA_GATED_RMS_NORM = "sglang.kernels.ops.attention.fla.layernorm_gated.RMSNorm"
 DEEPSEEK_ATTENTION = "sglang.srt.models.deepseek_common.attention_backend_handler.AttentionBackendRegistry"
+INTERNAL_STATE = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
 DEEPSEEK_WEIGHT_LOADER = "sglang.srt.models.deepseek_common.deepseek_weight_loader.DeepseekV2WeightLoaderMixin"
 
 
@@ -136,3 +137,4 @@ def _register_expert_hooks(hook) -> None:
     hook(f"{FUSED_MOE}.__init__", experts.fused_moe_init, "BEFORE")
     hook(f"{MODEL_RUNNER}.load_model", experts.check_global_adapter, "AFTER")
     hook(f"{LORA_MANAGER}.init_lora_modules", manager_hooks.init_lora_modules, "AROUND")
+    hook(f"{INTERNAL_STATE}.get_internal_state", manager_hooks.report_adapters, "AFTER")

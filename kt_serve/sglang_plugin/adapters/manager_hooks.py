@@ -35,30 +35,34 @@ def load_lora_adapter(original, manager, lora_ref, *args, **kwargs):
     if split.experts is not None and not get_config().enabled:
         return failed(ValueError("routed-expert LoRA needs --kt-moe on"))
     registry = get_registry()
+    registry.experts.max_per_batch = manager.max_loras_per_batch
     try:
-        experts_loaded = registry.load(lora_ref.lora_id, lora_ref.lora_path, split)
+        experts_loaded = registry.load(lora_ref.lora_id, lora_ref.lora_path, split, name=lora_ref.lora_name,
+                                       pinned=bool(lora_ref.pinned))
     except Exception as e:
         return failed(e)
     result = original(manager, msgspec.structs.replace(lora_ref, lora_path=split.sglang_path), *args, **kwargs)
     if not result.success:
         registry.unload(lora_ref.lora_id)
     elif experts_loaded or split.gates:
-        logger.info("kt_serve: adapter %s: expert half in kernel slot %d, %d gate LoRA modules in the plugin, "
-                    "the rest in SGLang", lora_ref.lora_name, registry.experts.slots.get(lora_ref.lora_id, -1),
-                    len(split.gates))
+        entry = registry.experts.entries.get(lora_ref.lora_id)
+        logger.info("kt_serve: adapter %s: expert half %s, %d gate LoRA modules in the plugin, the rest in SGLang",
+                    lora_ref.lora_name, "none" if entry is None else "registered" if entry.slot is None
+                    else f"in kernel slot {entry.slot}", len(split.gates))
     return result
 
 
 def unload_lora_adapter(original, manager, lora_ref, *args, **kwargs):
-    """AROUND LoRAManager._unload_lora_adapter: free the expert slot and the gate LoRA too."""
+    """AROUND LoRAManager._unload_lora_adapter (also SGLang's --max-loaded-loras eviction): the expert half and the
+    gate LoRA go with SGLang's half."""
     result = original(manager, lora_ref, *args, **kwargs)
     get_registry().unload(lora_ref.lora_id)
     return result
 
 
 def prepare_lora_batch(result, manager, forward_batch, *args, **kwargs):
-    """AFTER LoRAManager.prepare_lora_batch: the adapter of each token for this forward (kernel slots; the gate
-    LoRA's token groups)."""
+    """AFTER LoRAManager.prepare_lora_batch: the batch's expert halves made resident, then the adapter of each token
+    for this forward (kernel slots; the gate LoRA's token groups)."""
     get_registry().prepare_batch(
         forward_batch.lora_ids, forward_batch_seq_lens(forward_batch),
         layer_lora=any(_has_layer_lora(manager, uid) for uid in set(forward_batch.lora_ids) if uid),
@@ -104,4 +108,13 @@ def attach_gates(result, model_runner, *args, **kwargs):
     """AFTER ModelRunner.load_model: with --enable-lora, wrap the gating projections of the loaded model."""
     if getattr(model_runner.server_args, "enable_lora", False):
         get_registry().gates.attach(model_runner.model, model_runner.server_args)
+    return result
+
+
+def report_adapters(result, controller, *args, **kwargs):
+    """AFTER the scheduler's get_internal_state (/get_server_info): the expert adapters registered, resident and
+    pinned here, with their bytes, the budget and the load / eviction counts."""
+    registry = get_registry()
+    if registry.holds_experts and get_config().enabled:
+        result.internal_state["kt_expert_adapters"] = registry.experts.info()
     return result
