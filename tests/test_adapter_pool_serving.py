@@ -1,11 +1,12 @@
 """The expert-adapter pool on a real server: 32 composite adapters registered over 4 resident, skewed traffic.
 
-A reference server holds all 32 resident (``--kt-max-expert-loras 32``) and answers each (adapter, prompt) once;
+A reference server holds all of them resident (``--kt-max-expert-loras 33``) and answers each (adapter, prompt) once;
 the pool server (``--kt-max-expert-loras 4``, batches of up to 4 adapters) then serves 8 client threads for
 ``KT_SERVE_PROBE_SECONDS`` (default 45) with a Zipf-like choice of adapter per request and base requests mixed in:
 every answer must equal the reference server's, with no error status, evictions and reloads counted in the log and
 in ``/get_server_info``, the server's memory flat. SGLang itself keeps 16 of the 32 loaded (``--max-loaded-loras``),
-so both halves of an adapter are also unloaded and loaded again under the traffic. Also here: unloading an adapter with requests in flight, and a
+so both halves of an adapter are also unloaded and loaded again under the traffic. Also here: an adapter found by
+name under ``--kt-lora-dir`` on first use, unloading an adapter with requests in flight, and a
 name registered twice.
 """
 
@@ -43,7 +44,8 @@ def adapters(tmp_path_factory):
     model = str(build_tiny_moe(root / "qwen3", "qwen3_moe"))
     paths = {f"a{i}": write_kt_adapter(root / f"a{i}", model, seed=100 + i, gates=i % 4 == 0)
              for i in range(N_ADAPTERS)}
-    return model, paths
+    write_kt_adapter(root / "found", model, seed=99)  # in --kt-lora-dir only: loaded on first use
+    return model, paths, root
 
 
 def lora_paths(paths: dict) -> list[str]:
@@ -53,10 +55,11 @@ def lora_paths(paths: dict) -> list[str]:
 @pytest.fixture(scope="module")
 def reference(adapters):
     """(adapter or None, prompt index) -> (token ids, logprobs), every adapter resident."""
-    model, paths = adapters
-    with SGLangServer(model, ARGS + ["--kt-max-expert-loras", str(N_ADAPTERS)] + lora_paths(paths)) as server:
+    model, paths, root = adapters
+    every = {**paths, "found": root / "found"}
+    with SGLangServer(model, ARGS + ["--kt-max-expert-loras", str(N_ADAPTERS + 1)] + lora_paths(every)) as server:
         return {(name, p): complete(server, model if name is None else f"{model}:{name}", PROMPTS[p], MAX_TOKENS)
-                for name in [None, *paths] for p in range(len(PROMPTS))}
+                for name in [None, *every] for p in range(len(PROMPTS))}
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +67,11 @@ def pool_server(adapters):
     """Half the adapters registered at start, the other half through /load_lora_adapter; SGLang keeps 16 loaded
     (--max-loaded-loras: it unloads the least recently used and loads it again when a request names it), the
     expert pool 4 resident."""
-    model, paths = adapters
+    model, paths, root = adapters
     names = list(paths)
     first = {name: paths[name] for name in names[: N_ADAPTERS // 2]}
-    args = ARGS + ["--kt-max-expert-loras", str(RESIDENT), "--max-loaded-loras", str(N_ADAPTERS // 2)]
+    args = ARGS + ["--kt-max-expert-loras", str(RESIDENT), "--max-loaded-loras", str(N_ADAPTERS // 2),
+                   "--kt-lora-dir", str(root)]
     with SGLangServer(model, args + lora_paths(first)) as server:
         for name in names[N_ADAPTERS // 2:]:
             status, body = server.post("/load_lora_adapter", {"lora_name": name, "lora_path": str(paths[name])})
@@ -98,7 +102,7 @@ def assert_same(got, want, what):
 
 
 def test_skewed_traffic_over_more_adapters_than_slots_matches_all_resident(pool_server, adapters, reference):
-    model, paths = adapters
+    model, paths, _ = adapters
     names = list(paths)
     weights = [1.0 / (rank + 1) for rank in range(len(names))]  # Zipf, s = 1
     state = adapter_state(pool_server)
@@ -148,7 +152,7 @@ def test_skewed_traffic_over_more_adapters_than_slots_matches_all_resident(pool_
 def test_unload_with_requests_in_flight_finishes_them_first(pool_server, adapters, reference):
     """The unload waits for the adapter's requests in flight (their answers are whole and right), then both halves
     go; a later request naming it has SGLang load it again from its path, expert half included."""
-    model, paths = adapters
+    model, paths, _ = adapters
     name = "a5"
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         traffic = [pool.submit(complete, pool_server, f"{model}:{name}", PROMPTS[i % 3], 32, ignore_eos=True)
@@ -167,8 +171,22 @@ def test_unload_with_requests_in_flight_finishes_them_first(pool_server, adapter
 
 
 def test_a_name_registered_twice_is_refused_and_the_first_kept(pool_server, adapters, reference):
-    model, paths = adapters
+    model, paths, _ = adapters
     status, body = pool_server.post("/load_lora_adapter", {"lora_name": "a1", "lora_path": str(paths["a2"])})
     assert 400 <= status < 500 and not body.get("success", False), body
     assert_same(complete(pool_server, f"{model}:a1", PROMPTS[2], MAX_TOKENS), reference["a1", 2], "a1 kept")
     assert sum(a["name"] == "a1" for a in adapter_state(pool_server)["adapters"]) == 1
+
+
+def test_an_adapter_under_the_lora_dir_is_found_on_first_use(pool_server, adapters, reference):
+    """--kt-lora-dir: 'found' was never loaded; the first request naming it loads it (both halves) and gets the
+    answer of the server that had it from the start. A name that is not there, or not a plain name, stays a 4xx."""
+    model, _, _ = adapters
+    assert "found" not in {a["name"] for a in adapter_state(pool_server)["adapters"]}
+    assert_same(complete(pool_server, f"{model}:found", PROMPTS[0], MAX_TOKENS), reference["found", 0], "found")
+    assert "found" in {a["name"] for a in adapter_state(pool_server)["adapters"]}
+    for name in ("missing", "..", "qwen3/.."):
+        with pytest.raises(openai.APIStatusError) as err:
+            complete(pool_server, f"{model}:{name}", PROMPTS[0], MAX_TOKENS)
+        assert 400 <= err.value.status_code < 500, name
+    assert_same(complete(pool_server, model, PROMPTS[1], MAX_TOKENS), reference[None, 1], "base after refusals")

@@ -260,3 +260,22 @@ def test_a_replaced_slot_computes_the_new_adapter(tmp_path):
         ref = moe_lora_reference(x, ids, w, *base(1), lora={**tensors, "alpha": 2.0 * rank})
         got = experts.forward_sft(x, ids, w, slots=0)
         assert ((got.float() - ref).norm() / ref.norm()).item() < 1e-2, (seed, rank)
+
+
+def test_first_in_first_out_never_evicts_an_adapter_of_the_batch(tmp_path):
+    """--lora-eviction-policy fifo ranks by load order, not use: the oldest resident adapter may be in the batch
+    being prepared, and then the next one goes instead."""
+    pool = ExpertPool(ExpertBudget(slots=2), eviction_policy="fifo")
+    pool.max_per_batch = 2
+    for layer in LAYERS:
+        pool.layers[layer] = MoEExperts(*base(layer), max_slots=2)
+    held = adapters(tmp_path, ["a", "b", "c"])
+    for name, (path, _) in held.items():  # c's registration evicts a, the first in
+        pool.register(name, open_adapter_dir(path))
+    assert {e.key for e in pool.resident()} == {"b", "c"}
+    slot_b = pool.slot_of("b")
+    pool.prepare({"b", "a"})  # b is now the first in, but the batch needs it: c goes
+    assert {e.key for e in pool.resident()} == {"a", "b"} and pool.slot_of("b") == slot_b
+    assert pool.evictions == 2  # a at c's registration, then c; b never left
+    for key in ("a", "b"):
+        assert_serves(pool, key, held[key][1])

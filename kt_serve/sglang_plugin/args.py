@@ -7,6 +7,7 @@ on it reads our flags from the namespace, validates them and exports them (confi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 from kt_serve.kernel.weights import WEIGHT_FORMATS
@@ -48,6 +49,9 @@ FLAGS = [
                "int4 per group of --kt-expert-group-size (default: bf16, as the checkpoint)")),
     ("--kt-lora-cache-dir", "lora_cache_dir",
      dict(default=None, help="kt_serve: where composite adapters are split (default: a per-user temp dir)")),
+    ("--kt-lora-dir", "lora_dir",
+     dict(default=None, help="kt_serve: a directory of adapters found by name on first use: a request for model "
+                             "'<served>:<name>' that no adapter answers loads DIR/<name> (needs --enable-lora)")),
 ]
 
 
@@ -102,6 +106,14 @@ def from_cli_args_hook(server_args, *args, **kwargs):
         if not os.path.isdir(path):
             raise SystemExit(f"--kt-expert-lora-path {config.expert_lora_path}: not a directory")
         config = KTServeConfig(**{**values, "expert_lora_path": path})
+    if config.lora_dir:
+        path = os.path.abspath(config.lora_dir)
+        if not os.path.isdir(path):
+            raise SystemExit(f"--kt-lora-dir {config.lora_dir}: not a directory")
+        if not (getattr(server_args, "enable_lora", None) or getattr(server_args, "lora_paths", None)):
+            raise SystemExit("--kt-lora-dir needs --enable-lora (and --max-lora-rank / --lora-target-modules "
+                             "covering the adapters, when no --lora-paths are given)")
+        config = dataclasses.replace(config, lora_dir=path)
     message = unsupported_architecture(getattr(server_args, "model_path", None))
     if config.enabled:
         message = message or unsupported_quantization(server_args)

@@ -81,6 +81,8 @@ class KTServeConfig:
     max_expert_loras: str = "auto"
     # where composite adapters are split into their SGLang (non-expert) half
     lora_cache_dir: str | None = None
+    # adapters found by name on first use: a request for <served>:<name> loads <lora_dir>/<name>
+    lora_dir: str | None = None
     # format of the routed experts in the kernel: auto (the checkpoint's: bf16 or fp8), bf16, fp8, int8, int4
     expert_dtype: str = "auto"
     # K values per int4 scale (and per fp8 scale when a bf16 checkpoint is quantized to fp8)

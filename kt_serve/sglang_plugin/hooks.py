@@ -1,6 +1,6 @@
 """Every SGLang target this plugin patches, in one place: the target strings below and the table of what runs where.
 
-The launcher process only gets the CLI hooks; scheduler processes (spawned children) get the model and LoRA
+The launcher process only gets the CLI hooks and the tokenizer's adapter lookup; scheduler processes (spawned children) get the model and LoRA
 hooks, so the launcher does not import SGLang's model code. Each hook's function lives with its concern: the
 plugin core (args, experts), adapters/, cpu_host/ (a CPU-only host's engine) and models/ (per-model fixes).
 """
@@ -36,6 +36,7 @@ QWEN3_MOE_ATTENTION = "sglang.srt.models.qwen3_moe.Qwen3MoeAttention"
 QWEN35_GATED_DELTA_NET = "sglang.srt.models.qwen3_5.Qwen3_5GatedDeltaNet"
 FLA_GATED_RMS_NORM = "sglang.kernels.ops.attention.fla.layernorm_gated.RMSNorm"
 DEEPSEEK_ATTENTION = "sglang.srt.models.deepseek_common.attention_backend_handler.AttentionBackendRegistry"
+TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 INTERNAL_STATE = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
 DEEPSEEK_WEIGHT_LOADER = "sglang.srt.models.deepseek_common.deepseek_weight_loader.DeepseekV2WeightLoaderMixin"
 
@@ -60,6 +61,9 @@ def register_hooks() -> None:
     hook(f"{SERVER_ARGS}.from_cli_args", args.default_attention_backend_hook, "BEFORE")
     hook(f"{SERVER_ARGS}.from_cli_args", args.from_cli_args_hook, "AFTER")
     if multiprocessing.parent_process() is None:
+        from .adapters import lora_dir
+
+        hook(f"{TOKENIZER_MANAGER}._resolve_lora_path", lora_dir.find_on_first_use, "BEFORE")
         return  # launcher / tokenizer process
     if cpu_only_host():
         _register_cpu_host_hooks(hook)
