@@ -86,6 +86,8 @@ def run_check(args) -> None:
     else:
         print("  experts: none")
     print(f"  non-expert: {len(source.nonexpert)} tensors, modules={sorted(nonexpert_targets(source.nonexpert))}")
+    if source.lora_experts is not None:
+        print(f"  LoRA Experts (KT-FT, added to every MoE block's output): {source.lora_experts.describe()}")
     print(f"  manifest: {'verified' if source.manifest else 'none'}")
     if base:
         model_config, note = resolve_base_model_config(base)

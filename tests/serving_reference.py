@@ -49,9 +49,12 @@ def model_dims(model_dir) -> dict:
 
 
 def random_adapter(model_dir, *, seed: int, rank: int = 4, attention: bool = True, experts: bool = True,
-                   shared_expert: bool = False, gates: bool = False, scale: float = 0.1):
+                   shared_expert: bool = False, gates: bool = False, lora_experts: int = 0,
+                   lora_expert_size: int = 16, lora_expert_dtype=torch.bfloat16, scale: float = 0.1):
     """(nonexpert PEFT tensors keyed model.layers..., experts {layer: {kt name: tensor}}) with visible effect.
-    gates: LoRA on the router (mlp.gate) and, where the model has one, the shared-expert gate."""
+    gates: LoRA on the router (mlp.gate) and, where the model has one, the shared-expert gate.
+    lora_experts: N KT-FT LoRA Experts of intermediate size ``lora_expert_size`` per layer (KT's keys, among the
+    non-expert tensors), in ``lora_expert_dtype``."""
     d = model_dims(model_dir)
     g = torch.Generator().manual_seed(seed)
 
@@ -69,6 +72,11 @@ def random_adapter(model_dir, *, seed: int, rank: int = 4, attention: bool = Tru
             nonexpert[f"model.layers.{layer}.{module}.lora_B.weight"] = rnd(fan_out, rank)
         if experts:
             expert[layer] = {name: rnd(*shape(d["E"], d["H"], d["I"], rank)) for name, shape in EXPERT_SHAPES.items()}
+        for j in range(lora_experts):
+            for proj, shape in (("gate", (lora_expert_size, d["H"])), ("up", (lora_expert_size, d["H"])),
+                                ("down", (d["H"], lora_expert_size))):
+                nonexpert[f"model.layers.{layer}.mlp.lora_experts.{j}.le_{proj}.weight"] = \
+                    rnd(*shape).to(lora_expert_dtype)
     return nonexpert, expert
 
 
@@ -77,7 +85,7 @@ def write_kt_adapter(out_dir, model_dir, *, seed: int, rank: int = 4, alpha: flo
     from kt_serve.formats import write_kt_sft_output
 
     nonexpert, experts = random_adapter(model_dir, seed=seed, rank=rank, **kinds)
-    targets = sorted({k.split(".lora_")[0].rsplit(".", 1)[1] for k in nonexpert} |
+    targets = sorted({k.split(".lora_")[0].rsplit(".", 1)[1] for k in nonexpert if ".lora_experts." not in k} |
                      ({"gate_proj", "up_proj", "down_proj"} if experts else set()))
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": targets,
               "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM"}
@@ -130,6 +138,32 @@ class HFReference:
         self.model_dir = str(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
         self.base_state = {k: v.clone() for k, v in self.model.state_dict().items()}
+        self.lora_experts: dict[int, list] = {}  # layer -> [(gate, up, down) fp32] of the merged adapters
+
+    def _add_lora_experts(self, peft: dict) -> None:
+        """KT-FT LoRA Experts from the formula: the MoE block's output gains (1/N) Σ_j down_j (SiLU(gate_j x) *
+        (up_j x)) on its input x (kept per layer; applied by forward hooks). Held in bf16 by the server, so
+        rounded to bf16 first, as LoRA A/B are."""
+        found: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
+        for key, value in peft.items():
+            if ".mlp.lora_experts." in key:
+                head, rest = key.split(".mlp.lora_experts.")
+                layer, (j, proj) = int(head.rsplit(".", 1)[1]), rest.split(".")[:2]
+                found.setdefault(layer, {}).setdefault(int(j), {})[proj[3:]] = value.to(torch.bfloat16).float()
+        for layer, experts in found.items():
+            self.lora_experts.setdefault(layer, []).append([experts[j] for j in range(len(experts))])
+
+    def _lora_experts_hook(self, layer: int):
+        def hook(module, args, output):
+            x = args[0].float()
+            total = 0
+            for experts in self.lora_experts[layer]:
+                terms = [(torch.nn.functional.silu(x @ e["gate"].T) * (x @ e["up"].T)) @ e["down"].T for e in experts]
+                total = total + sum(terms) / len(terms)
+            if isinstance(output, tuple):
+                return (output[0] + total.to(output[0].dtype), *output[1:])
+            return output + total.to(output.dtype)
+        return hook
 
     def _merge(self, adapter_dir) -> None:
         from safetensors.torch import load_file
@@ -139,6 +173,7 @@ class HFReference:
         scale = config["lora_alpha"] / config["r"]
         params = dict(self.model.named_parameters())
         peft = load_file(adapter_dir / "adapter_model.safetensors") if (adapter_dir / "adapter_model.safetensors").exists() else {}
+        self._add_lora_experts(peft)
         with torch.no_grad():
             for key, a in peft.items():
                 if ".lora_A." not in key:
@@ -187,12 +222,15 @@ class HFReference:
         the two are different computations, so tests compare only the predictions made before it.
         """
         self.model.load_state_dict(self.base_state)
+        self.lora_experts = {}
         for adapter_dir in adapter_dirs:
             self._merge(adapter_dir)
         router_logits = []
         hooks = [layer.mlp.gate.register_forward_pre_hook(
             lambda m, a: router_logits.append(a[0].reshape(-1, a[0].shape[-1]).float() @ m.weight.float().T))
             for layer in self.model.model.layers if hasattr(layer.mlp, "gate")]
+        hooks += [self.model.model.layers[layer].mlp.register_forward_hook(self._lora_experts_hook(layer))
+                  for layer in self.lora_experts]
         try:
             logits = self.model(torch.tensor([ids])).logits[0].float()
         finally:

@@ -6,6 +6,7 @@ non-expert PEFT keys, adapter_config.json rules and kt_adapter_manifest.json (no
 - experts.py: the three expert layouts, read into KT's fused per-layer layout
 - config.py: generated adapter_config.json, alpha precedence, base-model config check
 - manifest.py: kt_adapter_manifest.json
+- lora_experts.py: KT-FT LoRA Experts (dense SwiGLU MLPs beside the shared expert) in adapter_model.safetensors
 - adapter_dir.py: open/load any adapter directory, write PEFT and KT SFT directories
 - export.py: streamed merged / expert / non-expert conversion
 """

@@ -12,6 +12,7 @@ from .config import resolve_alpha
 from .experts import (
     ExpertSource, FusedExpertSource, PerExpertSource, TargetParameterSource, check_finite, split_expert_keys,
 )
+from .lora_experts import LoRAExperts, read_lora_experts, split_lora_expert_keys
 from .manifest import build_manifest, read_manifest, verify_manifest
 from .names import (
     ADAPTER_CONFIG_FILE, ADAPTER_MODEL_BIN_FILE, ADAPTER_MODEL_FILE, FUSED_EXPERT_LORA_FILE, KT_ADAPTER_MANIFEST_FILE,
@@ -34,6 +35,7 @@ class AdapterSource:
     nonexpert: dict[str, torch.Tensor]  # cleaned PEFT keys (no base_model.model., no .orig_module)
     experts: ExpertSource | None
     manifest: dict | None = None
+    lora_experts: LoRAExperts | None = None  # KT-FT LoRA Experts (lora_experts.py), in memory
 
     @property
     def expert_format(self) -> str | None:
@@ -52,6 +54,7 @@ class AdapterDir:
     alpha: float
     expert_format: str | None = None
     manifest: dict | None = field(default=None, repr=False)
+    lora_experts: LoRAExperts | None = None
 
 
 def _read_peft_file(directory: Path) -> TensorFile | None:
@@ -116,6 +119,7 @@ def open_adapter_dir(path, *, lora_alpha: float | None = None, verify: bool = Tr
 
     experts: ExpertSource | None = None
     nonexpert: dict[str, torch.Tensor] = {}
+    lora_experts: LoRAExperts | None = None
     if peft_file is not None:
         stored: dict[str, str] = {}
         for key in peft_file.keys():
@@ -123,7 +127,8 @@ def open_adapter_dir(path, *, lora_alpha: float | None = None, verify: bool = Tr
             if clean in stored:
                 raise FormatError(peft_file.path, f"keys {stored[clean]} and {key} collide after cleaning")
             stored[clean] = key
-        per_expert, target_parameters, other = split_expert_keys(stored)
+        le_keys = split_lora_expert_keys(stored)
+        per_expert, target_parameters, other = split_expert_keys({k: v for k, v in stored.items() if k not in le_keys})
         for key in other:
             if not NONEXPERT_KEY_RE.search(key):
                 raise FormatError(peft_file.path, f"unexpected key {stored[key]} (not a LoRA A/B weight)")
@@ -135,15 +140,17 @@ def open_adapter_dir(path, *, lora_alpha: float | None = None, verify: bool = Tr
             experts = TargetParameterSource(peft_file, {key: stored[key] for key in target_parameters}, config.get("r"))
         with peft_file.reader() as get:
             nonexpert = {key: get(stored[key]) for key in other}
+            if le_keys:
+                lora_experts = read_lora_experts(peft_file.path, le_keys, get, config)
     if fused_path.exists():
         if experts is not None:
             raise FormatError(directory, f"expert LoRA is in both {FUSED_EXPERT_LORA_FILE} and {ADAPTER_MODEL_FILE}")
         experts = FusedExpertSource(TensorFile(fused_path))
-    if experts is None and not nonexpert:
+    if experts is None and not nonexpert and lora_experts is None:
         raise FormatError(peft_file.path, "holds no LoRA tensors")
 
     ranks = _check_nonexpert(peft_file.path if peft_file else directory, nonexpert)
-    rank = experts.geometry.rank if experts is not None else ranks.pop()
+    rank = experts.geometry.rank if experts is not None else ranks.pop() if ranks else int(config.get("r") or 0)
     if ranks - {rank}:
         raise FormatError(peft_file.path, f"inconsistent LoRA rank: non-expert tensors have r={sorted(ranks)[0]} "
                                           f"but {experts.path.name} has r={rank}")
@@ -154,7 +161,7 @@ def open_adapter_dir(path, *, lora_alpha: float | None = None, verify: bool = Tr
         fused_layout = experts.layout() if isinstance(experts, FusedExpertSource) else None
         verify_manifest(directory, manifest, rank=rank, alpha=config.get("lora_alpha", alpha),
                         fused_layout=fused_layout, progress=progress)
-    return AdapterSource(directory, config, rank, alpha, nonexpert, experts, manifest)
+    return AdapterSource(directory, config, rank, alpha, nonexpert, experts, manifest, lora_experts)
 
 
 def load_adapter_dir(path, *, lora_alpha: float | None = None, verify: bool = True) -> AdapterDir:
@@ -162,7 +169,7 @@ def load_adapter_dir(path, *, lora_alpha: float | None = None, verify: bool = Tr
     source = open_adapter_dir(path, lora_alpha=lora_alpha, verify=verify)
     experts = source.experts.read_all() if source.experts is not None else {}
     return AdapterDir(source.path, experts, source.nonexpert, source.config, source.rank, source.alpha,
-                      source.expert_format, source.manifest)
+                      source.expert_format, source.manifest, source.lora_experts)
 
 
 def read_fused_expert_lora(path) -> dict[int, dict[str, torch.Tensor]]:

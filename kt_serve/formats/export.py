@@ -14,6 +14,7 @@ from pathlib import Path
 from .adapter_dir import PEFT_METADATA, AdapterSource, open_adapter_dir
 from .config import check_base_model, expert_config, merged_config, nonexpert_config, resolve_base_model_config
 from .experts import peft_expert_layout
+from .lora_experts import CONFIG_FIELD as LORA_EXPERTS_CONFIG
 from .names import (
     ADAPTER_CONFIG_FILE, ADAPTER_MODEL_FILE, FUSED_EXPERT_LORA_FILE, FormatError, MissingFileError,
 )
@@ -59,10 +60,11 @@ def convert_adapter(input_dir, *, merged_dir=None, expert_dir=None, nonexpert_di
         raise MissingFileError(input_dir / FUSED_EXPERT_LORA_FILE,
                                f"not found, and {ADAPTER_MODEL_FILE} holds no per-expert LoRA")
     notes = []
-    if "nonexpert" in outputs and not source.nonexpert and nonexpert_optional:
+    has_nonexpert = bool(source.nonexpert) or source.lora_experts is not None
+    if "nonexpert" in outputs and not has_nonexpert and nonexpert_optional:
         notes.append(f"Note: {input_dir} has no non-expert LoRA; no non-expert adapter written")
         del outputs["nonexpert"]
-    if "nonexpert" in outputs and not source.nonexpert:
+    if "nonexpert" in outputs and not has_nonexpert:
         raise FormatError(input_dir / ADAPTER_MODEL_FILE, "holds no non-expert LoRA to write a non-expert adapter")
     base = base_model_name_or_path or source.config.get("base_model_name_or_path")
     if not base:
@@ -85,12 +87,15 @@ def convert_adapter(input_dir, *, merged_dir=None, expert_dir=None, nonexpert_di
         "expert": expert_config(source.config, **common),
         "nonexpert": nonexpert_config(source.config, nonexpert_keys=source.nonexpert, **common),
     }
+    if source.lora_experts is not None:  # kept beside the non-expert LoRA, with what a server needs to know
+        for role in ("merged", "nonexpert"):
+            configs[role][LORA_EXPERTS_CONFIG] = source.lora_experts.config()
     _write_outputs(source, outputs, configs, expert_layout, overwrite=overwrite, progress=progress)
 
     summary = {
         "input_dir": str(input_dir),
         "output_dir": str(outputs["merged"]) if "merged" in outputs else None,
-        "tensor_count": len(expert_layout) + len(source.nonexpert),
+        "tensor_count": len(expert_layout) + len(nonexpert_tensors(source)),
         "rank": source.rank,
         "target_modules": configs["merged"]["target_modules"],
         "lora_alpha": configs["merged"]["lora_alpha"],
@@ -98,12 +103,19 @@ def convert_adapter(input_dir, *, merged_dir=None, expert_dir=None, nonexpert_di
         "expert_format": source.expert_format,
         "notes": notes,
     }
-    counts = {"expert": len(expert_layout), "nonexpert": len(source.nonexpert)}
+    counts = {"expert": len(expert_layout), "nonexpert": len(nonexpert_tensors(source))}
     for role in ("expert", "nonexpert"):
         if role in outputs:
             summary["split_outputs"][role] = {"output_dir": str(outputs[role]), "tensor_count": counts[role],
                                               "target_modules": configs[role]["target_modules"]}
     return summary
+
+
+def nonexpert_tensors(source: AdapterSource) -> dict:
+    """What the non-expert half writes: the non-expert LoRA and the LoRA Experts (KT's layout, cleaned keys)."""
+    if source.lora_experts is None:
+        return source.nonexpert
+    return {**source.nonexpert, **source.lora_experts.peft_tensors()}
 
 
 def _write_outputs(source: AdapterSource, outputs: dict[str, Path], configs: dict[str, dict], expert_layout, *,
@@ -112,7 +124,7 @@ def _write_outputs(source: AdapterSource, outputs: dict[str, Path], configs: dic
     with staged_dirs(list(outputs.values()), overwrite=overwrite) as stages:
         try:
             for role, stage in zip(outputs, stages):
-                nonexpert = {} if role == "expert" else source.nonexpert
+                nonexpert = {} if role == "expert" else nonexpert_tensors(source)
                 layout = {key: (value.dtype, tuple(value.shape)) for key, value in nonexpert.items()}
                 if role != "nonexpert":
                     layout.update({key: (slot.dtype, slot.shape) for key, slot in expert_layout.items()})

@@ -32,6 +32,7 @@ ELEMENTWISE = "sglang.kernels.ops.elementwise.elementwise"
 QWEN2_MOE_MODEL = "sglang.srt.models.qwen2_moe.Qwen2MoeModel"
 QWEN2_MOE_BLOCK = "sglang.srt.models.qwen2_moe.Qwen2MoeSparseMoeBlock"
 QWEN3_MOE_BLOCK = "sglang.srt.models.qwen3_moe.Qwen3MoeSparseMoeBlock"
+DEEPSEEK_MOE_BLOCK = "sglang.srt.models.deepseek_v2.DeepseekV2MoE"
 QWEN3_MOE_ATTENTION = "sglang.srt.models.qwen3_moe.Qwen3MoeAttention"
 QWEN35_GATED_DELTA_NET = "sglang.srt.models.qwen3_5.Qwen3_5GatedDeltaNet"
 FLA_GATED_RMS_NORM = "sglang.kernels.ops.attention.fla.layernorm_gated.RMSNorm"
@@ -111,11 +112,13 @@ def _register_cpu_host_hooks(hook) -> None:
 
 def _register_adapter_hooks(hook) -> None:
     """Every scheduler, also with --kt-moe off: adapter names SGLang reads otherwise (Qwen3.5's in_proj_qkv) are
-    mapped, router and gate LoRA applied by the plugin, modules nothing applies refused, a composite adapter gets a
+    mapped, router and gate LoRA and KT-FT's LoRA Experts applied by the plugin, modules nothing applies refused, a composite adapter gets a
     one-line reason instead of SGLang's key error, and LoRA reaches every DeepSeek MLA projection."""
-    from .adapters import manager_hooks
+    from .adapters import lora_experts, manager_hooks
     from .models import deepseek_mla
 
+    for block in (QWEN2_MOE_BLOCK, QWEN3_MOE_BLOCK, DEEPSEEK_MOE_BLOCK):
+        hook(f"{block}.forward", lora_experts.block_forward, "AFTER")
     hook(f"{LORA_MANAGER}._load_lora_adapter", manager_hooks.load_lora_adapter, "AROUND")
     hook(f"{LORA_MANAGER}._unload_lora_adapter", manager_hooks.unload_lora_adapter, "AROUND")
     hook(f"{LORA_MANAGER}.prepare_lora_batch", manager_hooks.prepare_lora_batch, "AFTER")

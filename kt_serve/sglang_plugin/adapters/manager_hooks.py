@@ -105,9 +105,12 @@ def init_lora_modules(original, manager, *args, **kwargs):
 
 
 def attach_gates(result, model_runner, *args, **kwargs):
-    """AFTER ModelRunner.load_model: with --enable-lora, wrap the gating projections of the loaded model."""
+    """AFTER ModelRunner.load_model: with --enable-lora, wrap the gating projections of the loaded model and note
+    its MoE blocks for LoRA Experts."""
     if getattr(model_runner.server_args, "enable_lora", False):
-        get_registry().gates.attach(model_runner.model, model_runner.server_args)
+        registry = get_registry()
+        registry.gates.attach(model_runner.model, model_runner.server_args)
+        registry.lora_experts.attach(model_runner.model, model_runner.model_config.dtype, model_runner.device)
     return result
 
 

@@ -1,8 +1,8 @@
 """The one owner of every per-adapter state of a scheduler process: the expert pool, gate LoRA, the current batch.
 
 :class:`AdapterRegistry` holds the expert pool (expert_pool.py: the MoE layers, the expert halves registered by
-SGLang's ``lora_id`` and those resident in kernel slots), the gate LoRA (gate_lora.py) and the batch of the forward
-in flight (batch.py), with registrations that are all-or-nothing over both.
+SGLang's ``lora_id`` and those resident in kernel slots), the gate LoRA (gate_lora.py), KT-FT's LoRA Experts
+(lora_experts.py) and the batch of the forward in flight (batch.py), with registrations that are all-or-nothing.
 
 SGLang's LoRA manager, the routed-experts method, the MoE-block and decode-stack hooks and the fused CPU gate ops
 all reach adapters through :func:`get_registry`; the batch is handed to it once per forward (prepare_batch), as
@@ -17,6 +17,7 @@ from ..config import get_config
 from .batch import AdapterBatch, slots_for
 from .expert_pool import ExpertBudget, ExpertPool
 from .gate_lora import GateLoRA
+from .lora_experts import LoRAExpertsBank
 from .split import SplitAdapter
 
 class AdapterRegistry:
@@ -30,23 +31,27 @@ class AdapterRegistry:
         self.holds_experts = holds_experts
         self.experts = ExpertPool(budget, eviction_policy)
         self.gates = GateLoRA(lambda: self.batch)
+        self.lora_experts = LoRAExpertsBank(lambda: self.batch)
         self.batch: AdapterBatch | None = None  # the forward in flight; None: no LoRA batch (warm-up, no --enable-lora)
 
     def load(self, lora_id, path: str, split: SplitAdapter, *, name: str | None = None, pinned: bool = False) -> bool:
-        """Register the plugin's halves of a split composite adapter (gate LoRA; the expert half where this rank
-        holds experts), all or nothing. Returns whether an expert half was registered here."""
+        """Register the plugin's halves of a split composite adapter (gate LoRA, LoRA Experts; the expert half where
+        this rank holds experts), all or nothing. Returns whether an expert half was registered here."""
         experts = split.experts if split.experts is not None and self.holds_experts else None
         try:
             self.gates.load(lora_id, path, split.gates, split.scaling)
+            self.lora_experts.load(lora_id, path, split.lora_experts)
             if experts is not None:
                 self.experts.register(lora_id, experts, name=name, pinned=bool(pinned))
         except BaseException:
             self.gates.unload(lora_id)
+            self.lora_experts.unload(lora_id)
             raise
         return experts is not None
 
     def unload(self, lora_id) -> None:
         self.gates.unload(lora_id)
+        self.lora_experts.unload(lora_id)
         self.experts.unregister(lora_id)
 
     def prepare_batch(self, lora_ids, seq_lens, layer_lora: bool, expert_slots: bool = True) -> None:

@@ -2,7 +2,8 @@
 
 A composite adapter (merged PEFT dir or KT SFT output dir) has its non-expert half written as a plain PEFT adapter
 to a cache dir (once per adapter version) and handed to SGLang; its expert half goes into one kernel slot of every
-MoE layer, and LoRA on the router and gates SGLang has no layer for to gate_lora (registry.py does both).
+MoE layer, LoRA on the router and gates SGLang has no layer for to gate_lora, KT-FT's LoRA Experts to lora_experts
+(registry.py does all three).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class SplitAdapter:
     experts: object | None    # AdapterSource with the routed-expert half (its tensors still on disk), or None
     gates: dict               # gate LoRA (formats.sglang_modules.split_gate_modules), for gate_lora
     scaling: float            # lora_alpha / r of the adapter
+    lora_experts: object | None = None  # formats.lora_experts.LoRAExperts (KT-FT), for lora_experts.py
 
 
 def split_composite(path: str, gdn_dims=None) -> SplitAdapter:
@@ -63,7 +65,7 @@ def split_composite(path: str, gdn_dims=None) -> SplitAdapter:
     scaling = float(adapter.alpha) / adapter.rank if adapter.rank else 1.0
     rename = needs_sglang_names(adapter.nonexpert)
     experts = adapter if adapter.experts is not None else None
-    if experts is None and not rename:
+    if experts is None and not rename and adapter.lora_experts is None:
         return SplitAdapter(path, None, {}, scaling)
     nonexpert, gates = split_gate_modules(path, adapter.nonexpert)
     if not nonexpert and not gates:
@@ -88,4 +90,4 @@ def split_composite(path: str, gdn_dims=None) -> SplitAdapter:
         except FileExistsError:
             pass  # another scheduler (TP rank) wrote the same split first
         logger.info("kt_serve: split adapter %s; the half SGLang applies, in its module names -> %s", path, target)
-    return SplitAdapter(str(target), experts, gates, scaling)
+    return SplitAdapter(str(target), experts, gates, scaling, adapter.lora_experts)

@@ -167,6 +167,8 @@ def _step_reason(plan: _Stack, B: int, positions, forward_batch, backend) -> str
     if (loc.dtype != torch.int64 or loc.shape != (B,) or not loc.is_contiguous() or positions.dtype != torch.int64
             or positions.shape != (B,) or not positions.is_contiguous()):
         return "cache locations or positions that are not int64 [batch]"
+    if get_registry().lora_experts.in_batch():
+        return "LoRA Experts in a request's adapter (applied after each MoE block of the layer loop)"
     return batch_reason(B) or router_lora_reason(plan.gate_keys)
 
 
