@@ -16,10 +16,11 @@ def text_config(model_dir):
     return json.loads((Path(model_dir) / "config.json").read_text())["text_config"]
 
 
-def qwen35_adapter(model_dir, *, seed, rank=4, experts=True, nonexpert=True, scale=0.1):
+def qwen35_adapter(model_dir, *, seed, rank=4, experts=True, nonexpert=True, lora_experts=0, scale=0.1):
     """(non-expert PEFT tensors, KT expert tensors {layer: {name: tensor}}): LoRA on the full attention (q_proj with
     its gate half, k, v, o), on the linear attention (in_proj_qkv, in_proj_z, out_proj) and on the shared expert;
-    random, large enough to move the logprobs."""
+    random, large enough to move the logprobs. lora_experts: N KT-FT LoRA Experts (I 16) per layer, under KT's
+    fixed ``model.layers.{L}`` prefix (not the checkpoint's model.language_model)."""
     c = text_config(model_dir)
     H, heads, kv, hd = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
     kd = c["linear_key_head_dim"] * c["linear_num_key_heads"]
@@ -45,11 +46,16 @@ def qwen35_adapter(model_dir, *, seed, rank=4, experts=True, nonexpert=True, sca
             peft[f"{base}.lora_B.weight"] = rnd(fan_out, rank)
         if experts:
             kt[layer] = {name: rnd(*shape(E, H, I, rank)) for name, shape in EXPERT_SHAPES.items()}
+        for j in range(lora_experts):
+            for proj, shape in (("gate", (16, H)), ("up", (16, H)), ("down", (H, 16))):
+                peft[f"model.layers.{layer}.mlp.lora_experts.{j}.le_{proj}.weight"] = rnd(*shape)
     return peft, kt
 
 
-def write_qwen35_adapter(out_dir, model_dir, *, seed, rank=4, alpha=8.0, experts=True, nonexpert=True) -> Path:
-    peft, kt = qwen35_adapter(model_dir, seed=seed, rank=rank, experts=experts, nonexpert=nonexpert)
+def write_qwen35_adapter(out_dir, model_dir, *, seed, rank=4, alpha=8.0, experts=True, nonexpert=True,
+                         lora_experts=0) -> Path:
+    peft, kt = qwen35_adapter(model_dir, seed=seed, rank=rank, experts=experts, nonexpert=nonexpert,
+                              lora_experts=lora_experts)
     targets = sorted({k.split(".lora_")[0].rsplit(".", 1)[1] for k in peft} |
                      ({"gate_proj", "up_proj", "down_proj"} if kt else set()))
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": targets, "lora_dropout": 0.0,

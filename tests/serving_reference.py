@@ -139,6 +139,8 @@ class HFReference:
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
         self.base_state = {k: v.clone() for k, v in self.model.state_dict().items()}
         self.lora_experts: dict[int, list] = {}  # layer -> [(gate, up, down) fp32] of the merged adapters
+        for i, layer in enumerate(self.model.model.layers):  # kept on copies of the model too (deepcopy)
+            layer.mlp.register_forward_hook(self._lora_experts_hook(i))
 
     def _add_lora_experts(self, peft: dict) -> None:
         """KT-FT LoRA Experts from the formula: the MoE block's output gains (1/N) Σ_j down_j (SiLU(gate_j x) *
@@ -155,6 +157,8 @@ class HFReference:
 
     def _lora_experts_hook(self, layer: int):
         def hook(module, args, output):
+            if layer not in self.lora_experts:
+                return None
             x = args[0].float()
             total = 0
             for experts in self.lora_experts[layer]:
@@ -229,8 +233,7 @@ class HFReference:
         hooks = [layer.mlp.gate.register_forward_pre_hook(
             lambda m, a: router_logits.append(a[0].reshape(-1, a[0].shape[-1]).float() @ m.weight.float().T))
             for layer in self.model.model.layers if hasattr(layer.mlp, "gate")]
-        hooks += [self.model.model.layers[layer].mlp.register_forward_hook(self._lora_experts_hook(layer))
-                  for layer in self.lora_experts]
+
         try:
             logits = self.model(torch.tensor([ids])).logits[0].float()
         finally:

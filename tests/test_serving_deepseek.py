@@ -79,9 +79,20 @@ def deepseek(request, tmp_path_factory):
              "router": write_adapter(workdir / "no_router", model, without(nonexpert, "mlp.gate"), experts)}
     for module in mla:
         parts[module] = write_adapter(workdir / f"no_{module}", model, without(nonexpert, module), experts)
+    # KT-FT LoRA Experts (3 of them) beside every MLA projection, the router and routed experts; "mlp" in
+    # target_modules, as KT's converter writes it
+    adapters["lora_experts"] = write_adapter(workdir / "lora_experts", model,
+                                             *mla_adapter(model, 14, gates=True, lora_experts=3))
     ref = HFReference(model)
     prompts = pick_prompts(ref, [[], [adapters["both"]], [adapters["second"]]], n=2, tie_margin=TIE_MARGIN)
     return str(model), adapters, ref, prompts, parts
+
+
+@pytest.fixture(scope="module")
+def le_prompts(deepseek):
+    """Prompts without a routing near-tie under the LoRA Experts adapter (and base)."""
+    _, adapters, ref, _, _ = deepseek
+    return pick_prompts(ref, [[], [adapters["lora_experts"]]], n=2, seed=1, tie_margin=TIE_MARGIN)
 
 
 @pytest.fixture(scope="module")
@@ -117,11 +128,12 @@ def test_every_adapter_part_matches_reference(server_ds, deepseek):
                 assert max(abs(logprobs[i] - other[i]) for i in keep) > MIN_EFFECT, (name, part)
 
 
-def test_concurrent_mixed_batch_equals_sequential(server_ds, deepseek):
-    """Base and both adapters in flight together (kv_b_proj's correction per token segment) give each request
-    its sequential result."""
+def test_concurrent_mixed_batch_equals_sequential(server_ds, deepseek, le_prompts):
+    """Base and every adapter in flight together (kv_b_proj's correction per token segment, LoRA Experts on some
+    rows) give each request its sequential result."""
     model, adapters, ref, prompts, _ = deepseek
     jobs = [(name, tuple(prompt)) for prompt in prompts for name in (None, "both", "second")]
+    jobs += [("lora_experts", tuple(prompt)) for prompt in le_prompts]
 
     def run(job):
         name, prompt = job
@@ -153,6 +165,22 @@ def test_lora_on_a_module_the_mla_layer_lacks_is_refused(server_ds, deepseek, tm
         complete(server_ds, f"{model}:bad", prompts[0])
     ids, logprobs = complete(server_ds, f"{model}:both", prompts[0])
     check(ref, prompts[0], ids, logprobs, [adapters["both"]])
+
+
+def test_lora_experts_are_added_unscaled_beside_the_shared_expert(server_ds, deepseek, le_prompts, tmp_path):
+    """DeepSeek scales its routed experts by routed_scaling_factor before adding the shared expert; LoRA Experts
+    are added to the block's output unscaled (the reference adds them after the whole block): within TOL, and far
+    from the same adapter without them."""
+    from test_lora_experts import rewrite
+
+    model, adapters, ref, prompts, _ = deepseek
+    stripped = rewrite(adapters["lora_experts"], tmp_path / "stripped",
+                       lambda t: [t.pop(k) for k in [k for k in t if ".lora_experts." in k]])
+    for prompt in le_prompts:
+        ids, logprobs = complete(server_ds, f"{model}:lora_experts", prompt)
+        keep = check(ref, prompt, ids, logprobs, [adapters["lora_experts"]])
+        other = ref.logprobs(prompt + ids, len(prompt), [stripped])
+        assert max(abs(logprobs[i] - other[i]) for i in keep) > MIN_EFFECT
 
 
 # -- kv_b_proj's LoRA in the absorbed MLA forward, without a server --------------------------------------------------

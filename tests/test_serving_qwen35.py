@@ -86,6 +86,7 @@ def qwen35(tmp_path_factory):
         "nonexpert": write_qwen35_adapter(workdir / "nonexpert", model, seed=2, experts=False),
         "both2": write_qwen35_adapter(workdir / "both2", model, seed=3),
         "global": write_qwen35_adapter(workdir / "global", model, seed=4, nonexpert=False),
+        "lora_experts": write_qwen35_adapter(workdir / "lora_experts", model, seed=5, lora_experts=2),
         "trained": train_adapter(workdir / "trained", model),
     }
     convert_adapter(adapters["trained"], merged_dir=workdir / "trained_merged")  # one PEFT dir, per-expert keys
@@ -99,7 +100,8 @@ def qwen35(tmp_path_factory):
     g = torch.Generator().manual_seed(0)
     prompts = {}
     for name, dirs in {None: [], "both": [adapters["both"]], "nonexpert": [adapters["nonexpert"]],
-                       "global": [adapters["global"]], "trained": [adapters["trained"]]}.items():
+                       "global": [adapters["global"]], "trained": [adapters["trained"]],
+                       "lora_experts": [adapters["lora_experts"]]}.items():
         prompts[name] = []
         for _ in range(MAX_CANDIDATES):
             prompt = torch.randint(3, 1000, (PROMPT_LEN,), generator=g).tolist()
@@ -149,7 +151,8 @@ def server_composite(qwen35, tmp_path_factory):
     model, _, adapters, _, _ = qwen35
     cache = tmp_path_factory.mktemp("lora_cache")
     args = ARGS + ["--kt-lora-cache-dir", str(cache), "--lora-paths",
-                   *(f"{n}={adapters[n]}" for n in ("both", "nonexpert", "both2", "trained", "trained_merged"))]
+                   *(f"{n}={adapters[n]}" for n in ("both", "nonexpert", "both2", "trained", "trained_merged",
+                                                     "lora_experts"))]
     with SGLangServer(model, args) as server:
         server.lora_cache = cache
         yield server
@@ -207,9 +210,25 @@ def test_qwen35_trained_adapter_converts_and_serves(server_composite, qwen35):
         assert ids_m == ids and max(abs(a - b) for a, b in zip(logprobs, logprobs_m)) < TOL
 
 
+def test_qwen35_lora_experts_beside_the_gated_shared_expert(server_composite, qwen35, tmp_path):
+    """LoRA Experts are added to the MoE block's output, not through the shared expert's sigmoid gate: within TOL
+    of the reference (which adds them after the whole block), and far from the same adapter without them."""
+    from test_lora_experts import rewrite
+
+    model, _, adapters, ref, prompts = qwen35
+    stripped = rewrite(adapters["lora_experts"], tmp_path / "stripped",
+                       lambda t: [t.pop(k) for k in [k for k in t if ".lora_experts." in k]])
+    for prompt in prompts["lora_experts"]:
+        ids, logprobs = complete(server_composite, f"{model}:lora_experts", prompt)
+        keep = assert_matches(ref, prompt, ids, logprobs, [adapters["lora_experts"]])
+        other = ref.logprobs(prompt + ids, len(prompt), [stripped])
+        assert max(abs(logprobs[i] - other[i]) for i in keep) > MIN_EFFECT
+
+
 def test_qwen35_concurrent_mixed_batch_equals_sequential(server_composite, qwen35):
     model, _, _, _, prompts = qwen35
     jobs = [(name, tuple(p)) for p in prompts[None] + prompts["both"] for name in (None, "both", "both2")]
+    jobs += [("lora_experts", tuple(p)) for p in prompts["lora_experts"]]
 
     def run(job):
         name, prompt = job
