@@ -6,11 +6,13 @@ output (serving_reference.HFReference, written from the formula)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import kt_serve
 from kt_serve.convert import main as convert_main
 from kt_serve.formats import FormatError, open_adapter_dir
 from kt_serve.harness.server import SGLangServer
@@ -45,6 +47,7 @@ def rewrite(src, dst, edit):
     return dst
 
 
+DATA_DIR = Path(kt_serve.__file__).parent / "data" / "example_dataset"
 LE = "base_model.model.model.layers.{}.mlp.lora_experts.{}.le_{}.weight"
 
 
@@ -107,9 +110,71 @@ def test_convert_keeps_them_beside_the_non_expert_lora(qwen3, tmp_path, capsys):
     assert "LoRA Experts (KT-FT, added to every MoE block's output): N=2 SwiGLU MLPs of I=16" in capsys.readouterr().out
 
 
+def train_run(model, out, lora_experts: bool):
+    from kt_serve.train import load_config, train
+
+    cfg = load_config(None, [f"model_name_or_path={model}", f"output_dir={out}", "dataset=pirate_alpaca",
+                             f"dataset_dir={DATA_DIR}", "cutoff_len=64", "max_steps=40", "learning_rate=5e-3",
+                             "per_device_train_batch_size=4", "logging_steps=5", "save_steps=1000",
+                             "kt_config.threads=2", "seed=5", "lora_target=q_proj,v_proj",  # experts frozen
+                             f"kt_use_lora_experts={str(lora_experts).lower()}", "kt_lora_expert_num=2",
+                             "kt_lora_expert_intermediate_size=32"])
+    return [e["loss"] for e in train(cfg)]
+
+
 @pytest.fixture(scope="module")
-def served(qwen3):
+def trained(qwen3):
+    """kt_serve.train on the served model with only q_proj LoRA (routed experts frozen), with and without LoRA
+    Experts; then kt_serve.convert's merged dir of the run with them."""
+    root, model, _ = qwen3
+    with_le = train_run(model, root / "trained", True)
+    without = train_run(model, root / "trained_without", False)
+    assert convert_main([str(root / "trained"), str(root / "trained_merged")]) == 0
+    return root / "trained", root / "trained_merged", with_le, without
+
+
+def test_training_with_lora_experts_lowers_the_loss_and_writes_kts_keys(qwen3, trained):
+    _, model, _ = qwen3
+    out, merged, with_le, without = trained
+    print(f"\nloss every 5 steps, q_proj LoRA + LoRA Experts: {[round(x, 3) for x in with_le]}"
+          f"\n                   q_proj LoRA alone:         {[round(x, 3) for x in without]}")
+    assert sum(with_le[-3:]) < sum(without[-3:])
+    saved = load_file(out / "adapter_model.safetensors")
+    layers, H = model_dims(model)["L"], model_dims(model)["H"]
+    want = {LE.format(layer, j, p) for layer in range(layers) for j in range(2) for p in ("gate", "up", "down")}
+    assert want <= set(saved)
+    assert all(saved[k].shape == ((H, 32) if "le_down" in k else (32, H)) for k in want)
+    assert all(saved[LE.format(layer, j, "down")].abs().max() > 0 for layer in range(layers) for j in range(2))
+    le = open_adapter_dir(out).lora_experts
+    assert (le.num, le.intermediate_size) == (2, 32)
+
+
+def test_lora_experts_start_at_zero_with_kts_init(qwen3):
+    """le_down zeros, le_gate / le_up nn.Linear's kaiming-uniform (a=√5: bound 1/√H), no bias; not under PEFT."""
+    from kt_serve.train import load_config
+    from kt_serve.train.model import TrainModel
+
+    root, model, _ = qwen3
+    cfg = load_config(None, [f"model_name_or_path={model}", f"output_dir={root / 'unused'}", "dataset=pirate_alpaca",
+                             f"dataset_dir={DATA_DIR}", "lora_target=all", "kt_use_lora_experts=true",
+                             "kt_lora_expert_num=0", "kt_config.threads=2"])
+    assert (cfg.kt_lora_expert_num, cfg.kt_lora_expert_intermediate_size) == (2, 1024)
+    tm = TrainModel.load(cfg)
+    params = {n: p for n, p in tm.named_trainable_parameters().items() if ".lora_experts." in n}
+    H = model_dims(model)["H"]
+    assert len(params) == model_dims(model)["L"] * 2 * 3 and not any("lora_A" in n for n in params)
+    for name, p in params.items():
+        if "le_down" in name:
+            assert p.shape == (H, 1024) and not p.any()
+        else:
+            assert p.shape == (1024, H) and 0.5 / H ** 0.5 < p.abs().max() <= 1 / H ** 0.5
+    assert "LoRA Experts" in tm.parameter_report()
+
+
+@pytest.fixture(scope="module")
+def served(qwen3, trained):
     root, model, adapters = qwen3
+    adapters = {**adapters, "trained": trained[1]}
     ref = HFReference(model)
     prompts = pick_prompts(ref, [[], *([p] for p in adapters.values())], n=2)
     args = LORA_ARGS + ["--lora-paths", *(f"{n}={p}" for n, p in adapters.items())]
@@ -117,7 +182,7 @@ def served(qwen3):
         yield server, model, adapters, ref, prompts
 
 
-@pytest.mark.parametrize("name", ["le2", "le3"])
+@pytest.mark.parametrize("name", ["le2", "le3", "trained"])
 def test_served_per_request_within_tolerance_of_the_formula(served, name):
     server, model, adapters, ref, prompts = served
     prompt = prompts[0]
@@ -141,3 +206,14 @@ def test_mixed_batch_with_and_without_lora_experts(served):
 
     for (name, prompt), (ids, logprobs) in concurrent_equals_sequential(run, jobs).items():
         assert_matches_reference(ref, list(prompt), ids, logprobs, [] if name is None else [adapters[name]])
+
+
+def test_the_global_expert_adapter_flag_refuses_lora_experts(qwen3):
+    """--kt-expert-lora-path applies an adapter's expert LoRA only; one with LoRA Experts would be served without
+    them, so the server refuses to start, saying how to serve it."""
+    from kt_serve.harness.server import ServerStartError
+
+    _, model, adapters = qwen3
+    with pytest.raises(ServerStartError, match="holds KT-FT LoRA Experts, which this flag would leave out"):
+        with SGLangServer(model, ["--kt-expert-lora-path", str(adapters["le2"])]):
+            pass

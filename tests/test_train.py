@@ -195,8 +195,10 @@ def test_partial_expert_targets_and_cpu_placement(tiny_models, tmp_path):
         assert trained == {"down_lora_a", "down_lora_b"}
     tm.model.to(torch.bfloat16)  # as a GPU placement would do with .to("cuda"): the kernel's LoRA must not follow
     assert all(p.dtype == torch.float32 and p.device.type == "cpu" for k in tm.kernels.values() for p in k.parameters())
-    with pytest.raises(ValueError, match="routed-expert projections"):
-        TrainModel.load(make_config(tiny_models["qwen3_moe"], tmp_path / "o2", "lora_target=q_proj"))
+    # routed experts frozen (their LoRA stays at its zero-B init): allowed, e.g. beside LoRA Experts
+    frozen = TrainModel.load(make_config(tiny_models["qwen3_moe"], tmp_path / "o2", "lora_target=q_proj"))
+    assert not any(p.requires_grad for k in frozen.kernels.values() for p in k.parameters())
+    assert frozen.named_trainable_parameters()
     with pytest.raises(ValueError, match="no module named w9"):
         TrainModel.load(make_config(tiny_models["qwen3_moe"], tmp_path / "o3", "lora_target=w9,down_proj"))
 

@@ -170,6 +170,11 @@ class TrainConfig:
     kt_weight_path: str | None = field(default=None, metadata={
         "help": "Refused: KT's converted INT8/INT4 expert files are not read; kt_serve quantizes the checkpoint's experts at load."})
     kt_non_expert_weight_path: str | None = field(default=None, metadata={"help": "Refused, as kt_weight_path."})
+    kt_use_lora_experts: bool = field(default=False, metadata={
+        "help": "KT-FT LoRA Experts: N dense SwiGLU MLPs per MoE layer added to its output, trained with the LoRA."})
+    kt_lora_expert_num: int = field(default=2, metadata={"help": "N LoRA Experts per MoE layer (0 means 2)."})
+    kt_lora_expert_intermediate_size: int = field(default=1024, metadata={
+        "help": "Intermediate size of each LoRA Expert (0 means 1024)."})
     kt_config: KTConfig = field(default_factory=KTConfig)
 
     def __post_init__(self):
@@ -217,6 +222,12 @@ class TrainConfig:
                 raise ConfigError(f"{name}: KT's converted INT8/INT4 expert files are not read; kt_serve quantizes "
                                   "the experts of the BF16 (or FP8) checkpoint at model_name_or_path at load: drop "
                                   f"{name} and keep kt_expert_weight_format")
+        for name, default in (("kt_lora_expert_num", 2), ("kt_lora_expert_intermediate_size", 1024)):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: expected 0 (the default, {default}) or a positive integer, "
+                                  f"got {getattr(self, name)}")
+            if getattr(self, name) == 0:  # KT's reading of 0
+                setattr(self, name, default)
         if self.cpu_infer is not None:
             if self.kt_config.threads is not None and self.kt_config.threads != self.cpu_infer:
                 raise ConfigError(f"cpu_infer ({self.cpu_infer}) and kt_config threads ({self.kt_config.threads}) "

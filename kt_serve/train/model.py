@@ -23,6 +23,7 @@ from torch import nn
 from kt_serve.formats.names import ordered_target_modules
 from kt_serve.train.expert_autograd import MoELoRAExperts, expert_checkpoint_contexts
 from kt_serve.train.fp8_checkpoint import Fp8Checkpoint
+from kt_serve.train.lora_experts import attach_lora_experts, lora_experts_state_dict
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 # Kernel parameters trained for each targeted expert projection (the others stay at their zero-B init).
@@ -136,9 +137,6 @@ def resolve_targets(model: nn.Module, lora_target: list[str]) -> PeftTargets:
                 and module.weight.dim() == 2 and (use_all or leaf in wanted):
             parameters.append(f"{path}.weight")
     expert_projs = [p for p in EXPERT_PROJS if use_all or p in wanted]
-    if not expert_projs:
-        raise ValueError("lora_target: must include the routed-expert projections (gate_proj, up_proj, down_proj "
-                         "or all); training their LoRA in the kernel is what this trainer is for")
     found = {m.rsplit(".", 1)[-1] for m in modules} | ({ROUTER_LEAF} if parameters else set()) | set(EXPERT_PROJS)
     missing = sorted(wanted - found - {"all"})
     if missing:
@@ -227,6 +225,14 @@ class TrainModel:
             for proj, names in EXPERT_PARAMS.items():
                 for name in names:
                     getattr(kernel, name).requires_grad_(proj in targets.expert_projs)
+        if cfg.kt_use_lora_experts:  # after PEFT, which would otherwise put LoRA on them (lora_target: all)
+            blocks = [(p, m) for p, m in model.named_modules() if isinstance(getattr(m, "experts", None), CPUExperts)]
+            count = attach_lora_experts(blocks, cfg.kt_lora_expert_num, cfg.kt_lora_expert_intermediate_size)
+            logger.info("LoRA Experts: %d x SwiGLU(I=%d) on each of %d MoE blocks, %s values", cfg.kt_lora_expert_num,
+                        cfg.kt_lora_expert_intermediate_size, len(blocks), f"{count:,}")
+        if not targets.expert_projs and not targets.modules and not targets.parameters \
+                and not cfg.kt_use_lora_experts:
+            raise ValueError(f"lora_target: {cfg.lora_target} leaves nothing to train")
         device = cfg.kt_config.dense_device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -277,6 +283,8 @@ class TrainModel:
         for name, p in self.named_trainable_parameters().items():
             if id(p) in kernel_params:
                 group = "routed experts (kernel)"
+            elif ".lora_experts." in name:
+                group = "LoRA Experts"
             elif f".{ROUTER_LEAF}." in name:
                 group = "router"
             elif ".mlp." in name:
@@ -289,14 +297,18 @@ class TrainModel:
     # ---------------------------------------------------------------------------------------------- export
 
     def nonexpert_state_dict(self) -> dict[str, torch.Tensor]:
-        """PEFT keys (``base_model.model.model.layers...lora_A.weight``) of the non-expert LoRA."""
+        """PEFT keys (``base_model.model.model.layers...lora_A.weight``) of the non-expert LoRA, and KT's keys of the
+        LoRA Experts."""
         import peft
 
+        lora_experts = lora_experts_state_dict(self.model)
         if not isinstance(self.model, peft.PeftModel):
-            return {}
+            return lora_experts
         kernel_paths = tuple(p + "." for p, m in self.model.named_modules() if isinstance(m, CPUExperts))
         state = peft.get_peft_model_state_dict(self.model)
-        return {k: v.detach().cpu().contiguous() for k, v in state.items() if not k.startswith(kernel_paths)}
+        # PEFT's state dict takes every name with "lora_" in it, the LoRA Experts too: they come from the line above
+        return {**{k: v.detach().cpu().contiguous() for k, v in state.items()
+                   if not k.startswith(kernel_paths) and ".lora_experts." not in k}, **lora_experts}
 
     def expert_state_dict(self) -> dict[int, dict[str, torch.Tensor]]:
         """Per decoder layer, the six KT fused tensors (``gate_lora_a`` ...) in bf16."""

@@ -66,6 +66,9 @@ class ExpertPool:
         adapter = open_adapter_dir(path)
         if adapter.experts is None:
             raise AdapterError(f"--kt-expert-lora-path {path}: the adapter has no routed-expert LoRA tensors")
+        if adapter.lora_experts is not None:  # they are not expert LoRA: served only with the rest of the adapter
+            raise AdapterError(f"--kt-expert-lora-path {path}: the adapter holds KT-FT LoRA Experts, which this flag "
+                               f"would leave out; serve it per request (--lora-paths NAME={path})")
         entry = _Entry(GLOBAL, "--kt-expert-lora-path", adapter, 0, pinned=True)
         entry.slot = 0
         self.entries[GLOBAL] = entry
