@@ -24,6 +24,8 @@ after row, --repeats times, the median run kept, so a slow drift of the machine 
   kt spin off   "kt base" with KT_SERVE_IDLE_SPIN_US=0: kernel workers sleep as soon as a call ends (each call wakes them)
   kt expert     ... with --kt-expert-lora-path (every request gets the expert LoRA)
   kt mixed      ... --enable-lora with two composite adapters; requests cycle base / :a / :b
+  kt adapter    ... every request with composite adapter :a
+  kt adapter+le ... :a with KT-FT LoRA Experts added (N 2, intermediate 1024, KT's defaults)
   kt int8 / kt int4 / kt fp8   "kt base" with --kt-expert-dtype int8 / int4 / fp8 (experts quantized at load)
   kt int8 dense int8 / kt int4 dense int8 / kt int4 dense int4   ... and --kt-dense-dtype (attention too)
   <kt row> @baseline   with --baseline-python PYTHON: the same row served from another install (a venv holding the
@@ -356,6 +358,10 @@ def main(argv=None):
         expert = write_expert_peft_adapter(out / "expert", model, seed=1, rank=8, alpha=16.0)
         comp_a = write_kt_adapter(out / "a", model, seed=2, rank=8, alpha=16.0)
         comp_b = write_kt_adapter(out / "b", model, seed=3, rank=8, alpha=16.0)
+    comp_le = None  # "a" with KT-FT LoRA Experts at KT's default size
+    if "kt adapter+le" in a.rows and not qwen35:
+        comp_le = write_kt_adapter(out / "a_le", model, seed=2, rank=8, alpha=16.0, lora_experts=2,
+                                   lora_expert_size=1024)
     llama_rows = [name for name in a.rows if name in LLAMA_ROWS]
     if llama_rows:
         llama = llama_cpp_models(out, model, expert, comp_a, comp_b, a.llama_server)
@@ -371,6 +377,8 @@ def main(argv=None):
         "kt spin off": ([], {"KT_SERVE_IDLE_SPIN_US": "0"}, [model]),
         "kt expert": (["--kt-expert-lora-path", str(expert)], {}, [model]),
         "kt mixed": (lora + ["--lora-paths", f"a={comp_a}", f"b={comp_b}"], {}, [model, f"{model}:a", f"{model}:b"]),
+        "kt adapter": (lora + ["--lora-paths", f"a={comp_a}"], {}, [f"{model}:a"]),
+        "kt adapter+le": (lora + ["--lora-paths", f"a={comp_le}"], {}, [f"{model}:a"]),
         **{f"kt {fmt}": (["--kt-expert-dtype", fmt], {}, [model]) for fmt in ("int8", "int4", "fp8")},
         **{f"kt {fmt} dense {dense}": (["--kt-expert-dtype", fmt, "--kt-dense-dtype", dense], {}, [model])
            for fmt, dense in (("int8", "int8"), ("int4", "int8"), ("int4", "int4"))},

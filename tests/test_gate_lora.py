@@ -4,6 +4,9 @@ in_proj_b and in_proj_a with their own A, and the refusals."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from types import SimpleNamespace
 
 import pytest
@@ -190,18 +193,19 @@ def test_shared_expert_gate_lora_reaches_the_fused_cpu_gate_op(served):
     torch.testing.assert_close(final, torch.sigmoid(logits) * shared, rtol=1e-5, atol=1e-5)
 
 
-def test_adapter_with_only_gate_lora_is_refused_in_one_line(tmp_path, monkeypatch):
-    """SGLang's manager needs a module of its own to load an adapter: a router-only adapter is refused at the split,
-    naming the dir, and no split is written."""
+def test_adapter_with_only_gate_lora_gets_an_empty_half_for_sglang(tmp_path, monkeypatch):
+    """SGLang's manager knows an adapter by the half it loads: a router-only adapter gets an empty one (no
+    tensors, target o_proj: zero LoRA), so a request can name it, and its gate LoRA goes to the plugin."""
+    from safetensors.torch import load_file
+
     from kt_serve.formats import write_peft_adapter
     from kt_serve.sglang_plugin.adapters import split
 
     adapter = write_peft_adapter(tmp_path / "router_only", peft({(0, "mlp.gate"): E}, 0),
                                  {"r": R, "lora_alpha": 2 * R}, overwrite=True)
-    cache = tmp_path / "cache"
-    monkeypatch.setattr(split, "_cache_root", lambda: cache)
-    with pytest.raises(split.AdapterError, match=rf"^{adapter}: only router / gate LoRA and no module "
-                                                          r"SGLang applies; per request an adapter also needs LoRA "
-                                                          r"on attention or MLP projections$"):
-        split.split_composite(str(adapter))
-    assert not cache.exists()
+    monkeypatch.setattr(split, "_cache_root", lambda: tmp_path / "cache")
+    result = split.split_composite(str(adapter))
+    half = json.loads((Path(result.sglang_path) / "adapter_config.json").read_text())
+    assert half["target_modules"] == ["o_proj"] and half["r"] == R
+    assert load_file(Path(result.sglang_path) / "adapter_model.safetensors") == {}
+    assert list(result.gates) and result.experts is None

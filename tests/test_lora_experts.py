@@ -17,7 +17,7 @@ from kt_serve.convert import main as convert_main
 from kt_serve.formats import FormatError, open_adapter_dir
 from kt_serve.harness.server import SGLangServer
 from kt_serve.harness.tiny_model import build_tiny_moe
-from serving_reference import HFReference, model_dims, write_kt_adapter
+from serving_reference import HFReference, model_dims, write_expert_peft_adapter, write_kt_adapter
 from test_serving import LORA_ARGS, MIN_EFFECT, assert_matches_reference, complete, concurrent_equals_sequential, \
     pick_prompts
 
@@ -31,6 +31,11 @@ def qwen3(tmp_path_factory):
         "le3": write_kt_adapter(root / "le3", model, seed=32, experts=False, lora_experts=3,
                                 lora_expert_dtype=torch.float32),                   # fp32, no expert LoRA
         "plain": write_kt_adapter(root / "plain", model, seed=33),                  # no LoRA Experts
+        # no LoRA for SGLang's layers: SGLang gets an empty half, the plugin applies the rest
+        "le_only": write_kt_adapter(root / "le_only", model, seed=34, attention=False, experts=False,
+                                    lora_experts=2),
+        "le_experts": write_kt_adapter(root / "le_experts", model, seed=35, attention=False, lora_experts=3),
+        "experts_only": write_expert_peft_adapter(root / "experts_only", model, seed=36),
     }
     return root, model, adapters
 
@@ -182,7 +187,7 @@ def served(qwen3, trained):
         yield server, model, adapters, ref, prompts
 
 
-@pytest.mark.parametrize("name", ["le2", "le3", "trained"])
+@pytest.mark.parametrize("name", ["le2", "le3", "trained", "le_only", "le_experts"])
 def test_served_per_request_within_tolerance_of_the_formula(served, name):
     server, model, adapters, ref, prompts = served
     prompt = prompts[0]
@@ -196,9 +201,20 @@ def test_served_per_request_within_tolerance_of_the_formula(served, name):
     assert max(abs(a - b) for a, b in zip(logprobs, other)) > MIN_EFFECT
 
 
+def test_an_expert_only_adapter_is_served_per_request(served):
+    """Without LoRA Experts too: an adapter with nothing for SGLang's layers (expert LoRA only) is named per request
+    (SGLang holds an empty half) and gives the reference, away from the base model."""
+    server, model, adapters, ref, prompts = served
+    ids, logprobs = complete(server, f"{model}:experts_only", prompts[1])
+    assert_matches_reference(ref, prompts[1], ids, logprobs, [adapters["experts_only"]])
+    base = ref.logprobs(prompts[1] + ids, len(prompts[1]), [])
+    assert max(abs(a - b) for a, b in zip(logprobs, base)) > MIN_EFFECT
+
+
 def test_mixed_batch_with_and_without_lora_experts(served):
     server, model, adapters, ref, prompts = served
-    jobs = [(name, tuple(prompt)) for prompt in prompts for name in (None, "le2", "le3", "plain")]
+    jobs = [(name, tuple(prompt)) for prompt in prompts
+            for name in (None, "le2", "le3", "plain", "le_only", "le_experts", "experts_only")]
 
     def run(job):
         name, prompt = job

@@ -14,6 +14,7 @@ prepared), so only the batch being prepared is protected.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -133,6 +134,9 @@ class ExpertPool:
         if key in self.entries:
             raise AdapterError(f"expert adapter {name} is already loaded")
         self._check(adapter, sorted(self.layers), require_all=True)
+        # kept for reloads: the expert file and its rank and alpha, not the halves others hold (non-expert tensors
+        # went to SGLang, LoRA Experts to lora_experts.py)
+        adapter = dataclasses.replace(adapter, nonexpert={}, lora_experts=None)
         entry = _Entry(key, name, adapter, self.adapter_bytes(adapter.rank), pinned)
         self._check_capacity(entry)
         adapter.experts.file.hold_open()

@@ -20,6 +20,9 @@ from ..config import get_config
 logger = logging.getLogger(__name__)
 
 
+EMPTY_HALF_TARGET = "o_proj"  # a module every served family has; an empty half holds no tensor for it
+
+
 class AdapterError(ValueError):
     """An adapter that cannot be served as given; the message is one line naming its path."""
 
@@ -68,14 +71,12 @@ def split_composite(path: str, gdn_dims=None) -> SplitAdapter:
     if experts is None and not rename and adapter.lora_experts is None:
         return SplitAdapter(path, None, {}, scaling)
     nonexpert, gates = split_gate_modules(path, adapter.nonexpert)
-    if not nonexpert and not gates:
-        raise AdapterError(f"{path}: expert-only adapter; serve it with --kt-expert-lora-path, or add "
-                                 f"non-expert LoRA tensors to use it per request")
-    if not nonexpert:
-        raise AdapterError(f"{path}: only router / gate LoRA and no module SGLang applies; per request an "
-                                 f"adapter also needs LoRA on attention or MLP projections")
     targets = None
-    if rename:
+    if not nonexpert:
+        # Nothing for SGLang's LoRA layers (expert LoRA, LoRA Experts or gate LoRA only), but SGLang knows a request's
+        # adapter by its half: an empty one (no tensors, so zero LoRA wherever SGLang looks) lets it be named
+        targets = [EMPTY_HALF_TARGET]
+    elif rename:
         nonexpert, targets = to_sglang_modules(path, nonexpert, gdn_dims or {})
     target = _cache_root() / _fingerprint(Path(path)) / "nonexpert"
     if not (target / "adapter_config.json").exists():
