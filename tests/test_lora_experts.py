@@ -233,3 +233,24 @@ def test_the_global_expert_adapter_flag_refuses_lora_experts(qwen3):
     with pytest.raises(ServerStartError, match="holds KT-FT LoRA Experts, which this flag would leave out"):
         with SGLangServer(model, ["--kt-expert-lora-path", str(adapters["le2"])]):
             pass
+
+
+def test_load_and_unload_under_traffic(served):
+    """An adapter with LoRA Experts loaded by /load_lora_adapter while other requests run, used, then unloaded:
+    the traffic's answers stay right and the new name serves the reference."""
+    import concurrent.futures
+
+    server, model, adapters, ref, prompts = served
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        traffic = [pool.submit(complete, server, f"{model}:plain", prompts[0]) for _ in range(4)]
+        status, body = server.post("/load_lora_adapter", {"lora_name": "dyn", "lora_path": str(adapters["le3"])})
+        assert status == 200 and body.get("success"), body
+        for f in traffic:
+            ids, logprobs = f.result()
+            assert_matches_reference(ref, prompts[0], ids, logprobs, [adapters["plain"]])
+    ids, logprobs = complete(server, f"{model}:dyn", prompts[1])
+    assert_matches_reference(ref, prompts[1], ids, logprobs, [adapters["le3"]])
+    status, body = server.post("/unload_lora_adapter", {"lora_name": "dyn"})
+    assert status == 200 and body.get("success"), body
+    ids, logprobs = complete(server, f"{model}:le2", prompts[1])
+    assert_matches_reference(ref, prompts[1], ids, logprobs, [adapters["le2"]])
