@@ -114,11 +114,11 @@ def _register_adapter_hooks(hook) -> None:
     """Every scheduler, also with --kt-moe off: adapter names SGLang reads otherwise (Qwen3.5's in_proj_qkv) are
     mapped, router and gate LoRA and KT-FT's LoRA Experts applied by the plugin, modules nothing applies refused, a composite adapter gets a
     one-line reason instead of SGLang's key error, and LoRA reaches every DeepSeek MLA projection."""
-    from .adapters import lora_experts, manager_hooks
+    from .adapters import manager_hooks
     from .models import deepseek_mla
 
     for block in (QWEN2_MOE_BLOCK, QWEN3_MOE_BLOCK, DEEPSEEK_MOE_BLOCK):
-        hook(f"{block}.forward", lora_experts.block_forward, "AFTER")
+        hook(f"{block}.forward", manager_hooks.moe_block_forward, "AFTER")
     hook(f"{LORA_MANAGER}._load_lora_adapter", manager_hooks.load_lora_adapter, "AROUND")
     hook(f"{LORA_MANAGER}._unload_lora_adapter", manager_hooks.unload_lora_adapter, "AROUND")
     hook(f"{LORA_MANAGER}.prepare_lora_batch", manager_hooks.prepare_lora_batch, "AFTER")

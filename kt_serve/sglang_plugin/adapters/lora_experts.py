@@ -128,11 +128,3 @@ def _adds_here(block) -> bool:
         reduced = getattr(block.experts, "reduce_results", True)
     return bool(reduced) or parallel.tp_rank == 0
 
-
-def block_forward(result, block, *args, **kwargs):
-    """AFTER <MoE block>.forward(hidden_states, ...): the batch's LoRA Experts added to the block's output."""
-    from .registry import get_registry
-
-    hidden_states = args[0] if args else kwargs["hidden_states"]
-    get_registry().lora_experts.add_to_output(block, hidden_states, result)
-    return result

@@ -1,5 +1,6 @@
-"""Hooks on SGLang's LoRAManager and ModelRunner: composite adapters loaded into the registry, the batch's adapters
-handed to it per forward, gate modules wrapped at model load, and the MoE wrapping guard."""
+"""Hooks on SGLang's LoRAManager, ModelRunner and MoE blocks: composite adapters loaded into the registry, the
+batch's adapters handed to it per forward, gate modules wrapped at model load, LoRA Experts added to the MoE blocks'
+outputs, and the MoE wrapping guard."""
 
 from __future__ import annotations
 
@@ -120,4 +121,11 @@ def report_adapters(result, controller, *args, **kwargs):
     registry = get_registry()
     if registry.holds_experts and get_config().enabled:
         result.internal_state["kt_expert_adapters"] = registry.experts.info()
+    return result
+
+
+def moe_block_forward(result, block, *args, **kwargs):
+    """AFTER <MoE block>.forward(hidden_states, ...): the batch's LoRA Experts added to the block's output."""
+    hidden_states = args[0] if args else kwargs["hidden_states"]
+    get_registry().lora_experts.add_to_output(block, hidden_states, result)
     return result
