@@ -3,9 +3,10 @@
 L(x) = (1/N) Σ_j down_j · (SiLU(gate_j · x) ⊙ (up_j · x)), on the block's input x (formats/lora_experts.py), added
 after the block has combined routed and shared experts, so it is scaled neither by ``routed_scaling_factor`` nor
 by the shared-expert gate, as KT defines it. SGLang has no layer for them, so the plugin applies them: an AFTER
-hook on the MoE block's forward of Qwen2-MoE / Qwen3.5-MoE, Qwen3-MoE and DeepSeek, with the batch's token groups
-(batch.py); on a CPU host in the kernel's packed linears (fp32 sums), on an accelerator in torch. Every TP rank holds them; where the block's output is still to be summed over
-the ranks, rank 0 alone adds them. The Qwen3 decode stack leaves batches that use them to SGLang's layer loop.
+hook on the MoE block's forward (manager_hooks.py) of Qwen2-MoE / Qwen3.5-MoE, Qwen3-MoE and DeepSeek, with the
+batch's token groups (batch.py); on a CPU host in the kernel's packed linears (fp32 sums), on an accelerator in
+torch. Every TP rank holds them; where the block's output is still to be summed over the ranks, rank 0 alone adds
+them. The Qwen3 decode stack leaves batches that use them to SGLang's layer loop.
 """
 
 from __future__ import annotations
