@@ -1,5 +1,7 @@
 """Fast checks of the plugin's pure-Python parts (no server): batch -> slot mapping and the flag round trip."""
 
+import time
+
 import pytest
 import torch
 
@@ -164,3 +166,54 @@ def test_expert_adapter_budget_is_a_count_a_size_or_auto():
     for bad in ("0", "-3", "lots", "12 GB of RAM", "0GiB"):
         with pytest.raises(ValueError, match=rf"^--kt-max-expert-loras={bad}: expected"):
             KTServeConfig(max_expert_loras=bad)
+
+
+def test_a_layer_filled_by_several_loader_threads_is_packed_once(monkeypatch):
+    """DeepSeek's SGLang loader fills a layer's expert tensors from a thread pool: the last tensors of a layer can
+    arrive together, and the layer must still be packed exactly once (packing releases the staging tensors)."""
+    import sys
+    import threading
+    from types import SimpleNamespace
+
+    from kt_serve.sglang_plugin import experts as plugin_experts
+
+    E, H, I, threads, layers = 4, 8, 4, 8, 20
+    monkeypatch.setattr(plugin_experts, "get_registry", lambda: SimpleNamespace(holds_experts=True))
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: the window between two bytecodes counts
+    try:
+        for layer_id in range(layers):
+            method = plugin_experts.KTRoutedExpertsMethod()
+            method.shape = (E, H, I)
+            method._loaded = _YieldingSet()  # a thread switch right after each record, where it hurts most
+            packs = []
+            # packing takes long and releases the GIL (the kernel packs in C++) before the staging is released
+            method._pack = lambda layer, packs=packs, m=method: (packs.append(layer.layer_id), time.sleep(0.002),
+                                                                  setattr(m, "experts", object()), m._loaded.clear())
+            layer = SimpleNamespace(layer_id=layer_id, w13_weight=torch.zeros(E, 2 * I, H),
+                                    w2_weight=torch.zeros(E, H, I))
+            load = method._weight_loader(layer)
+            jobs = [(e, shard) for e in range(E) for shard in ("w1", "w3", "w2")]
+            barrier = threading.Barrier(threads)
+
+            def worker(part):
+                barrier.wait()
+                for e, shard in part:
+                    param = layer.w2_weight if shard == "w2" else layer.w13_weight
+                    shape = (H, I) if shard == "w2" else (I, H)
+                    load(param, torch.ones(shape), f"experts.{e}.{shard}", shard_id=shard, expert_id=e)
+
+            pool = [threading.Thread(target=worker, args=(jobs[i::threads],)) for i in range(threads)]
+            for t in pool:
+                t.start()
+            for t in pool:
+                t.join()
+            assert packs == [layer_id], f"layer {layer_id} packed {len(packs)} times"
+    finally:
+        sys.setswitchinterval(interval)
+
+
+class _YieldingSet(set):
+    def add(self, item):
+        super().add(item)
+        time.sleep(0.0005)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import threading
 
 import torch
 
@@ -51,6 +52,7 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
         self.compute_rank = self.adapters.holds_experts
         self.fp8_block = fp8_block
         self._loaded: set[tuple[int, str, bool]] = set()
+        self._loaded_lock = threading.Lock()  # DeepSeek's loader fills one layer from several threads
 
     @property
     def weight_format(self) -> str:
@@ -112,9 +114,10 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
                 raise ValueError(f"kt_serve: MoE layer {layer.layer_id}: {weight_name} has shape "
                                  f"{tuple(loaded_weight.shape)}, expected {tuple(target.shape)}")
             target.copy_(loaded_weight)
-            self._loaded.add((expert_id, shard_id, scale))
-            if len(self._loaded) == 3 * E * (2 if self.fp8_block else 1):
-                self._pack(layer)
+            with self._loaded_lock:  # the tensor completing the layer packs it, once, whichever thread brings it
+                self._loaded.add((expert_id, shard_id, scale))
+                if len(self._loaded) == 3 * E * (2 if self.fp8_block else 1):
+                    self._pack(layer)
 
         return load
 
