@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from evals.bench_serving import PRESETS, percentile, stream_prompt  # noqa: E402  (puts tests/ on sys.path)
 from evals.bench_kernel import cpu_model  # noqa: E402
 from serving_reference import write_kt_adapter  # noqa: E402
-from kt_serve.harness.report import write_report  # noqa: E402
+from kt_serve.harness.report import markdown_table, write_report  # noqa: E402
 from kt_serve.harness.server import SGLangServer  # noqa: E402
 from kt_serve.harness.tiny_model import build_tiny_moe  # noqa: E402
 from kt_serve.kernel.threads import cpu_isa  # noqa: E402
@@ -152,11 +152,7 @@ def main(argv=None):
             f"top-{p['top_k']}, {p['layers']} layers; {a.adapters} composite adapters (rank 8, attention + experts), "
             f"Zipf s=1 over them; {a.requests} requests x {a.tokens} tokens per stream count and turn, median of "
             f"{a.repeats} turns; {cpu_model()}, {os.cpu_count()} CPUs, kernel isa {cpu_isa()}")
-    print("\n" + desc)
-    keys = list(table[0])
-    print("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
-    for r in table:
-        print("| " + " | ".join(str(r[k]) for k in keys) + " |")
+    print("\n" + desc + "\n" + markdown_table(table))
     for name, value in cold.items():
         if value is not None:
             c, w, n = value

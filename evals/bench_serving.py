@@ -80,7 +80,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from serving_reference import write_expert_peft_adapter, write_kt_adapter  # noqa: E402
 from evals.bench_kernel import cpu_model  # noqa: E402
 from evals.llamacpp import LlamaCpp, LlamaCppUnavailable, LlamaServer  # noqa: E402
-from kt_serve.harness.report import write_report  # noqa: E402
+from kt_serve.harness.report import markdown_table, write_report  # noqa: E402
 
 LLAMA_ROWS = ("llama.cpp base", "llama.cpp expert", "llama.cpp mixed")
 BASELINE = " @baseline"  # suffix of a kt row served from --baseline-python
@@ -457,12 +457,7 @@ def main(argv=None):
             f"top-{a.top_k}, {a.layers} layers, vocab {a.vocab}; {a.tokens} tokens per stream; {cpu_model()}, "
             f"{os.cpu_count()} CPUs, kernel isa {cpu_isa()}; "
             f"servers {'one at a time' if a.sequential else 'side by side, measured in turns'}")
-    print("\n" + desc)
-    keys = list(rows[0])
-    print("| " + " | ".join(keys) + " |")
-    print("|" + "---|" * len(keys))
-    for r in rows:
-        print("| " + " | ".join("n/a" if r[k] is None else str(r[k]) for k in keys) + " |")
+    print("\n" + desc + "\n" + markdown_table(rows))
     paths = write_report(out, "bench_serving", rows, title="kt_serve serving benchmark", chart=("streams", "tok_s", "row"),
                          meta={"config": desc, "moe_layer": moe_rows})
     for kt, peer in LLAMA_PEER.items():

@@ -252,12 +252,12 @@ def test_a_replaced_slot_computes_the_new_adapter(tmp_path):
     """set_adapter over an occupied slot (rewritten in place when the rank matches, reallocated when not)."""
     experts = MoEExperts(*base(1), max_slots=1)
     x, ids, w = route()
-    for seed, rank in ((1, R), (2, R), (3, 2 * R), (4, 2 * R), (5, R)):
-        tensors = lora(1, seed=seed, rank=rank)
-        from kt_serve.kernel.experts import ExpertLoRA
+    from kt_serve.kernel.experts import ExpertLoRA
 
-        experts.set_adapter(0, ExpertLoRA.from_kt(tensors, 2.0 * rank))
-        ref = moe_lora_reference(x, ids, w, *base(1), lora={**tensors, "alpha": 2.0 * rank})
+    for seed, rank in ((1, R), (2, R), (3, 2 * R), (4, 2 * R), (5, R)):
+        tensors, alpha = lora(1, seed=seed, rank=rank), float(seed * rank)  # a new scale each time too
+        experts.set_adapter(0, ExpertLoRA.from_kt(tensors, alpha))
+        ref = moe_lora_reference(x, ids, w, *base(1), lora={**tensors, "alpha": alpha})
         got = experts.forward_sft(x, ids, w, slots=0)
         assert ((got.float() - ref).norm() / ref.norm()).item() < 1e-2, (seed, rank)
 

@@ -70,12 +70,17 @@ def markdown(title: str, rows: Sequence[Mapping[str, Any]], meta: Mapping[str, A
     scalars = [(k, v) for k, v in (meta or {}).items() if isinstance(v, (str, int, float, bool)) or v is None]
     if scalars:
         lines += [f"- {k}: {_cell(v)}" for k, v in scalars] + [""]
-    columns = list(dict.fromkeys(k for row in rows for k in row))
-    if columns:
-        lines.append("| " + " | ".join(columns) + " |")
-        lines.append("|" + "|".join("---" for _ in columns) + "|")
-        lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in rows]
+    if rows:
+        lines.append(markdown_table(rows))
     return "\n".join(lines) + "\n"
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The rows as one Markdown table, columns in the order they first appear (what benchmarks print)."""
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 def _cell(value: Any) -> str:

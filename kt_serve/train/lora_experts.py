@@ -10,17 +10,11 @@ They are attached after PEFT wraps the model, so ``lora_target: all`` never puts
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 
-from kt_serve.formats.lora_experts import LORA_EXPERT_PROJS, lora_expert_key
+from kt_serve.formats.lora_experts import LORA_EXPERT_KEY_RE, lora_expert_key
 from kt_serve.formats.names import peft_saved_key
-
-DEFAULT_NUM = 2
-DEFAULT_INTERMEDIATE = 1024
-_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.lora_experts\.(\d+)\.le_(gate|up|down)\.weight$")
 
 
 class LoRAExpert(nn.Module):
@@ -70,9 +64,8 @@ def lora_experts_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     index, the same prefix for every family) and the trained values."""
     state = {}
     for name, param in model.named_parameters():
-        match = _KEY.search(name)
+        match = LORA_EXPERT_KEY_RE.match(name)
         if match:
             layer, j, proj = int(match.group(1)), int(match.group(2)), match.group(3)
-            assert proj in LORA_EXPERT_PROJS
             state[peft_saved_key(lora_expert_key(layer, j, proj))] = param.detach().cpu().contiguous()
     return state
