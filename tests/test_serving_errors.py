@@ -93,3 +93,13 @@ def test_port_taken_before_bind_is_retried_on_a_fresh_port(moe_model, monkeypatc
         assert f"port {taken} is taken by another process" in message, message[-2000:]
     finally:
         squatter.close()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--enable-lora", "--lora-paths", "x=/nonexistent", "--kt-lora-dir", "/nonexistent/adapters"],
+     "--kt-lora-dir /nonexistent/adapters: not a directory"),
+    (["--kt-lora-dir", "."], "--kt-lora-dir needs --enable-lora"),
+    (["--kt-max-expert-loras", "lots"], "--kt-max-expert-loras=lots: expected a number of adapters"),
+])
+def test_bad_adapter_pool_flags_refused_at_launch(moe_model, args, message):
+    assert message in start_error(moe_model, args)
