@@ -92,16 +92,21 @@ def qwen35(tmp_path_factory):
     convert_adapter(adapters["trained"], merged_dir=workdir / "trained_merged")  # one PEFT dir, per-expert keys
     adapters["trained_merged"] = workdir / "trained_merged"
     ref = HFReference(model)
-    # Per adapter set, prompts whose reference routing has no near-tie inside the prompt and its first greedy
-    # decode steps (past one, a bf16 server may pick another expert: a different computation; assert_matches stops
-    # at the first one after it), and on which bf16 arithmetic itself stays close to fp32. About one random prompt
-    # in five qualifies under a given set, so each set gets its own.
+    prompts = pick_prompts(ref, {None: [], "both": [adapters["both"]], "nonexpert": [adapters["nonexpert"]],
+                                 "global": [adapters["global"]], "trained": [adapters["trained"]],
+                                 "lora_experts": [adapters["lora_experts"]]})
+    return model, fused, adapters, ref, prompts
+
+
+def pick_prompts(ref, adapter_sets: dict) -> dict:
+    """Per adapter set (name -> adapter dirs), two prompts whose reference routing has no near-tie inside the prompt
+    and its first greedy decode steps (past one, a bf16 server may pick another expert: a different computation;
+    assert_matches stops at the first one after it), and on which bf16 arithmetic itself stays close to fp32. About
+    one random prompt in five qualifies under a given set, so each set gets its own."""
     twin = copy.deepcopy(ref.model).to(torch.bfloat16)
     g = torch.Generator().manual_seed(0)
     prompts = {}
-    for name, dirs in {None: [], "both": [adapters["both"]], "nonexpert": [adapters["nonexpert"]],
-                       "global": [adapters["global"]], "trained": [adapters["trained"]],
-                       "lora_experts": [adapters["lora_experts"]]}.items():
+    for name, dirs in adapter_sets.items():
         prompts[name] = []
         for _ in range(MAX_CANDIDATES):
             prompt = torch.randint(3, 1000, (PROMPT_LEN,), generator=g).tolist()
@@ -112,7 +117,7 @@ def qwen35(tmp_path_factory):
                 if len(prompts[name]) == 2:
                     break
         assert len(prompts[name]) == 2, f"adapter set {name}: {MAX_CANDIDATES} random prompts, too few without a tie"
-    return model, fused, adapters, ref, prompts
+    return prompts
 
 
 def bf16_error(twin, ref, ids, want):

@@ -12,6 +12,7 @@ import os
 
 from kt_serve.kernel.weights import WEIGHT_FORMATS
 
+from . import accelerator
 from .config import DENSE_FORMATS, KTServeConfig, local_model_config
 from .cpu_host import compat
 
@@ -70,7 +71,7 @@ def add_cli_args_hook(result, parser, *args, **kwargs):
     return result
 
 
-def _namespace(args, kwargs) -> argparse.Namespace | None:
+def namespace_of(args, kwargs) -> argparse.Namespace | None:
     """The parsed CLI namespace among a from_cli_args hook's arguments."""
     return next((a for a in list(args) + list(kwargs.values()) if isinstance(a, argparse.Namespace)), None)
 
@@ -86,26 +87,37 @@ def _flag_values(namespace: argparse.Namespace) -> dict:
     return values
 
 
+def config_from_namespace(namespace: argparse.Namespace) -> KTServeConfig:
+    """Our flags as a config; under the accelerator emulation without the CPU host's fast paths (--kt-cpu-ops),
+    which a GPU host never runs."""
+    values = _flag_values(namespace)
+    if accelerator.emulated():
+        if values.get("cpu_ops") == "on":
+            raise SystemExit(f"--kt-cpu-ops on: {accelerator.EMULATION_ENV}=1 runs the accelerator host's code, "
+                             "which has no CPU-host fast paths")
+        values["cpu_ops"] = "off"
+    return KTServeConfig(**values)
+
+
 def default_attention_backend_hook(*args, **kwargs):
     """BEFORE ServerArgs.from_cli_args(namespace): the kt_cpu attention backend by default where it applies
     (cpu_host/attention.py), set on the namespace so SGLang resolves it like a user's --attention-backend."""
-    namespace = _namespace(args, kwargs)
+    namespace = namespace_of(args, kwargs)
     if namespace is not None:
         from .cpu_host.attention import default_on_cpu
 
-        default_on_cpu(namespace, KTServeConfig(**_flag_values(namespace)).cpu_ops_enabled)
+        default_on_cpu(namespace, config_from_namespace(namespace).cpu_ops_enabled)
     return None
 
 
 def from_cli_args_hook(server_args, *args, **kwargs):
     """AFTER ServerArgs.from_cli_args(namespace): validate our flags, export them for the schedulers."""
-    values = _flag_values(_namespace(args, kwargs))
-    config = KTServeConfig(**values)
+    config = config_from_namespace(namespace_of(args, kwargs))
     if config.expert_lora_path:
         path = os.path.abspath(config.expert_lora_path)
         if not os.path.isdir(path):
             raise SystemExit(f"--kt-expert-lora-path {config.expert_lora_path}: not a directory")
-        config = KTServeConfig(**{**values, "expert_lora_path": path})
+        config = dataclasses.replace(config, expert_lora_path=path)
     if config.lora_dir:
         path = os.path.abspath(config.lora_dir)
         if not os.path.isdir(path):

@@ -2,7 +2,8 @@
 
 ``FusedMoE.forward_impl`` runs dispatch -> ``quant_method.apply`` -> combine -> TP all-reduce, so only the expert
 math is replaced; router, top-k (grouped top-k, bias), shared experts and attention stay SGLang's. ``apply``
-returns ``sum_k w_k * expert_k(x)`` like SGLang's own CPU path; models apply ``routed_scaling_factor`` after it.
+returns ``sum_k w_k * expert_k(x)``, times ``routed_scaling_factor`` where the model leaves that to the MoE runner
+(CUDA; accelerator.py decides, after load).
 
 Memory: the checkpoint's expert tensors land in CPU staging buffers (never on the GPU); as soon as a layer has all
 of its experts, they are packed into the kernel and the staging buffers are released, so the peak stays near the
@@ -23,6 +24,7 @@ from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
 from kt_serve.kernel.weights import fp8_blocks_kept
 
+from . import accelerator
 from .adapters.registry import get_registry
 from .config import get_config
 
@@ -50,6 +52,8 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
         self.adapters = get_registry()
         self.experts = None          # kt_serve.kernel.experts.MoEExperts once packed (TP rank 0 only)
         self.compute_rank = self.adapters.holds_experts
+        self.offload = not accelerator.cpu_engine()  # the accelerator host's path (or its emulation)
+        self.routed_scale = 1.0  # what the model leaves to the MoE runner (set_routed_scales, after load)
         self.fp8_block = fp8_block
         self._loaded: set[tuple[int, str, bool]] = set()
         self._loaded_lock = threading.Lock()  # DeepSeek's loader fills one layer from several threads
@@ -168,11 +172,13 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
         if not self.compute_rank:
             return StandardCombineInput(hidden_states=torch.zeros_like(x))
         topk_weights, topk_ids = topk_output.topk_weights, topk_output.topk_ids
+        if self.routed_scale != 1.0:  # folded into the fp32 weights: exact, and no pass over the output
+            topk_weights = topk_weights.float() * self.routed_scale
         slots = self.adapters.slots_for(x.shape[0])
-        if x.device.type == "cpu":
-            out = self._forward_cpu(x, topk_ids, topk_weights, slots)
-        else:
+        if self.offload:
             out = self._forward_offload(x, topk_ids, topk_weights, slots)
+        else:
+            out = self._forward_cpu(x, topk_ids, topk_weights, slots)
         return StandardCombineInput(hidden_states=out)
 
     def _forward_cpu(self, x, topk_ids, topk_weights, slots):
@@ -188,7 +194,7 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
         (alt_stream in qwen2_moe / deepseek_v2), that overlaps the kernel. The kernel writes into a pinned output
         whose copy back is non_blocking too. torch's pinned-memory cache makes the buffers free after the first
         calls and keeps each one until its copies are done, so none is reused under a copy in flight.
-        Also runs, without pinning or waiting, for tensors already on the CPU (how the tests drive it).
+        Also runs, without pinning or waiting, for tensors already on the CPU (the accelerator emulation).
         """
         device = x.device
         pin = device.type != "cpu"
@@ -267,6 +273,27 @@ def checkpoint_fp8_block(quant_config, prefix: str):
     raise ValueError(f"kt_serve: MoE checkpoint quantization '{name}' is not read by the kt_serve kernel (it reads "
                      "bf16 and FP8 block-quantized experts); serve a bf16 or FP8 checkpoint, with "
                      "--kt-expert-dtype int8 or int4 to quantize it at load, or pass --kt-moe off")
+
+
+def set_routed_scales(result, model_runner, *args, **kwargs):
+    """AFTER ModelRunner.load_model: the routed_scaling_factor each MoE layer's method owes (accelerator.py), once
+    the emulation (if on) has switched the model files to their accelerator branches."""
+    if accelerator.emulated():
+        accelerator.emulate_after_load()
+        logger.warning("kt_serve: %s=1: serving through the accelerator host's code (experts through the offload "
+                       "path, the model files' accelerator switches on) on CPU tensors", accelerator.EMULATION_ENV)
+    scaled = {}
+    for block in model_runner.model.modules():
+        layer = getattr(block, "experts", None)
+        method = getattr(layer, "quant_method", None)
+        if isinstance(method, KTRoutedExpertsMethod):
+            method.routed_scale = accelerator.routed_scale(block, layer)
+            if method.routed_scale != 1.0:
+                scaled.setdefault(method.routed_scale, []).append(layer.layer_id)
+    for scale, layers in scaled.items():
+        logger.info("kt_serve: routed_scaling_factor %g applied by the kernel's MoE method in %d layers (the model "
+                    "leaves it to the MoE runner on this host)", scale, len(layers))
+    return result
 
 
 def check_global_adapter(result, model_runner, *args, **kwargs):

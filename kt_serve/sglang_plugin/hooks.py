@@ -45,7 +45,7 @@ DEEPSEEK_WEIGHT_LOADER = "sglang.srt.models.deepseek_common.deepseek_weight_load
 def register_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from . import args
+    from . import accelerator, args
     from .cpu_host.compat import cpu_only_host
     from .models import qwen35
 
@@ -60,6 +60,7 @@ def register_hooks() -> None:
     hook(f"{SERVER_ARGS}.add_cli_args", args.add_cli_args_hook, "AFTER")
     hook(f"{SERVER_ARGS}.from_cli_args", qwen35.hybrid_cache_on_cpu, "BEFORE")
     hook(f"{SERVER_ARGS}.from_cli_args", args.default_attention_backend_hook, "BEFORE")
+    hook(f"{SERVER_ARGS}.from_cli_args", accelerator.launch_hook, "BEFORE")
     hook(f"{SERVER_ARGS}.from_cli_args", args.from_cli_args_hook, "AFTER")
     if multiprocessing.parent_process() is None:
         from .adapters import lora_dir
@@ -142,6 +143,7 @@ def _register_expert_hooks(hook) -> None:
 
     hook(f"{RUNTIME_CONTEXT}.publish", experts.keep_shared_experts_separate, "AFTER")
     hook(f"{FUSED_MOE}.__init__", experts.fused_moe_init, "BEFORE")
+    hook(f"{MODEL_RUNNER}.load_model", experts.set_routed_scales, "AFTER")
     hook(f"{MODEL_RUNNER}.load_model", experts.check_global_adapter, "AFTER")
     hook(f"{LORA_MANAGER}.init_lora_modules", manager_hooks.init_lora_modules, "AROUND")
     hook(f"{INTERNAL_STATE}.get_internal_state", manager_hooks.report_adapters, "AFTER")

@@ -60,10 +60,12 @@ class GateLoRA:
 
     # -- model load ---------------------------------------------------------------------------------------------
     def attach(self, model, server_args) -> None:
-        device = getattr(server_args, "device", "cpu") or "cpu"
-        if device != "cpu" and not getattr(server_args, "disable_cuda_graph", False):
+        from ..accelerator import graphs_fully_off
+
+        if not graphs_fully_off(server_args):
             self.refusal = ("runs outside CUDA graphs, and this server captures them; start it with "
-                            "--disable-cuda-graph to serve such adapters")
+                            "--cuda-graph-backend-decode disabled --cuda-graph-backend-prefill disabled to serve "
+                            "such adapters")
         for name, module in model.named_modules():
             match = _TARGET_RE.search(name)
             weight = getattr(module, "weight", None)
