@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from evals.bench_serving import PRESETS, percentile, stream_prompt  # noqa: E402  (puts tests/ on sys.path)
 from evals.bench_kernel import cpu_model  # noqa: E402
-from serving_reference import write_kt_adapter  # noqa: E402
+from kt_serve.harness.reference import write_kt_adapter  # noqa: E402
 from kt_serve.harness.report import markdown_table, write_report  # noqa: E402
 from kt_serve.harness.server import SGLangServer  # noqa: E402
 from kt_serve.harness.tiny_model import build_tiny_moe  # noqa: E402

@@ -77,7 +77,7 @@ from kt_serve.harness.tiny_model import FAMILIES, build_tiny_moe  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from serving_reference import write_expert_peft_adapter, write_kt_adapter  # noqa: E402
+from kt_serve.harness.reference import write_expert_peft_adapter, write_kt_adapter  # noqa: E402
 from evals.bench_kernel import cpu_model  # noqa: E402
 from evals.llamacpp import LlamaCpp, LlamaCppUnavailable, LlamaServer  # noqa: E402
 from kt_serve.harness.report import markdown_table, write_report  # noqa: E402

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from kt_serve.formats import write_kt_sft_output
-from serving_reference import EXPERT_SHAPES
+from kt_serve.harness.reference import EXPERT_SHAPES
 
 
 def text_config(model_dir):

@@ -25,7 +25,7 @@ import pytest
 
 from kt_serve.harness.server import SGLangServer
 from kt_serve.harness.tiny_model import build_tiny_moe
-from serving_reference import write_kt_adapter
+from kt_serve.harness.reference import write_kt_adapter
 from test_serving import TOL, complete
 
 N_ADAPTERS = 32

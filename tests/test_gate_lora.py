@@ -20,7 +20,7 @@ from kt_serve.sglang_plugin.adapters.gate_lora import GateLoRA, GateLoRAError  #
 from kt_serve.sglang_plugin.adapters.registry import AdapterRegistry, get_registry  # noqa: E402
 
 H, E, NV, R, SCALE = 16, 6, 4, 3, 2.0
-CPU_ARGS = SimpleNamespace(device="cpu", disable_cuda_graph=False)
+CPU_ARGS = SimpleNamespace(device="cpu")
 
 
 class Replicated(nn.Linear):
@@ -158,9 +158,9 @@ def test_refusals_name_the_adapter_layer_and_module():
         gates.load("u", "/x", no_layer, SCALE)
     assert not gates.adapters
     graphs = GateLoRA(lambda: None)
-    graphs.attach(tiny_model(), SimpleNamespace(device="cuda", disable_cuda_graph=False))
+    graphs.attach(tiny_model(), SimpleNamespace(device="cuda"))  # no graph config published: SGLang captures
     _, ok = split_gate_modules("a", peft({(0, "mlp.gate"): E}, 0))
-    with pytest.raises(GateLoRAError, match="--disable-cuda-graph"):
+    with pytest.raises(GateLoRAError, match="--cuda-graph-backend-decode disabled --cuda-graph-backend-prefill disabled"):
         graphs.load("u", "/x", ok, SCALE)
 
 

@@ -1,7 +1,7 @@
 """KT-FT LoRA Experts: read from KT's layout (formats/lora_experts.py), refused when malformed, kept by the
 converter, and served per request on a real Qwen3-MoE server, mixed in one batch with base requests and adapters
 without them, against an fp32 HF reference that adds (1/N) Σ_j down_j(SiLU(gate_j x) ⊙ up_j x) to each MoE block's
-output (serving_reference.HFReference, written from the formula)."""
+output (kt_serve.harness.reference.HFReference, written from the formula)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from kt_serve.convert import main as convert_main
 from kt_serve.formats import FormatError, open_adapter_dir
 from kt_serve.harness.server import SGLangServer
 from kt_serve.harness.tiny_model import build_tiny_moe
-from serving_reference import HFReference, model_dims, write_expert_peft_adapter, write_kt_adapter
+from kt_serve.harness.reference import HFReference, model_dims, write_expert_peft_adapter, write_kt_adapter
 from test_serving import LORA_ARGS, MIN_EFFECT, assert_matches_reference, complete, concurrent_equals_sequential, \
     pick_prompts
 

@@ -3,7 +3,7 @@
 Checked against independent references, not against the quickstart's own claims:
 - the report's style numbers are recomputed from the raw served answers with our own regex;
 - the served answers are (near-)greedy under an fp32 transformers model with the trained adapter merged in plain
-  torch (tests/serving_reference.py), and the adapter's answers are not greedy under the base model: the numbers
+  torch (kt_serve/harness/reference.py), and the adapter's answers are not greedy under the base model: the numbers
   come from the served model with the adapter applied, not from the trainer;
 - no process of the run survives it, found by an environment marker every child inherits (psutil), also after a
   Ctrl-C while the server starts.
@@ -25,7 +25,7 @@ import psutil
 import pytest
 import torch
 
-from serving_reference import HFReference
+from kt_serve.harness.reference import HFReference
 
 REPO = Path(__file__).resolve().parent.parent
 MARKER = "KT_SERVE_QUICKSTART_TEST_RUN"

@@ -1,7 +1,7 @@
 """End-to-end: stock ``python -m sglang.launch_server`` + the kt_serve plugin on CPU, queried with ``openai``.
 
 Every served logprob is compared with an fp32 HF transformers reference with the LoRA merged in plain torch
-(tests/serving_reference.py), within TOL nats. Five server start-ups in all: Qwen3-MoE with composite adapters,
+(kt_serve/harness/reference.py), within TOL nats. Five server start-ups in all: Qwen3-MoE with composite adapters,
 Qwen3-MoE with a global --kt-expert-lora-path, Qwen2-MoE (shared expert), Qwen3-MoE with --tp-size 2, and a
 refused start (mismatched expert adapter).
 """
@@ -16,7 +16,7 @@ import pytest
 
 from kt_serve.harness.server import ServerStartError, SGLangServer
 from kt_serve.harness.tiny_model import build_tiny_moe
-from serving_reference import HFReference, write_expert_peft_adapter, write_kt_adapter
+from kt_serve.harness.reference import HFReference, write_expert_peft_adapter, write_kt_adapter
 
 TOL = 0.02  # nats; bf16 serving vs fp32 reference (notes: 0.001-0.013 observed)
 MIN_EFFECT = 5 * TOL  # an adapter must move some logprob by far more than the tolerance, else a no-op would pass

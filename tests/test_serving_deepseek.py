@@ -16,18 +16,12 @@ import torch
 
 from kt_serve.formats import write_kt_sft_output
 from kt_serve.harness.server import SGLangServer
-from kt_serve.harness.tiny_model import build_tiny_moe
-from serving_reference import HFReference, model_dims, random_adapter
+from kt_serve.harness.tiny_model import SERVING_OVERRIDES, build_tiny_moe
+from kt_serve.harness.reference import HFReference, model_dims, random_adapter
 from test_serving import (LORA_ARGS, MIN_EFFECT, assert_matches_reference, complete,
                           concurrent_equals_sequential, pick_prompts)
 
-# What SGLang's DeepSeek-V2 needs beyond transformers' DeepseekV2Config defaults (real DeepSeek-V2 configs have
-# them): yarn RoPE (its CPU rotary embedding is deepseek_yarn only), moe_layer_freq and scoring_func.
-DEEPSEEK_SERVING_CONFIG = dict(
-    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                     "original_max_position_embeddings": 1024, "beta_fast": 32.0, "beta_slow": 1.0,
-                     "mscale": 0.707, "mscale_all_dim": 0.707},
-    moe_layer_freq=1, scoring_func="softmax")
+DEEPSEEK_SERVING_CONFIG = SERVING_OVERRIDES["deepseek_v2"]
 # The two MLA layouts: tiny_model's default (no q compression) and DeepSeek-V2/V3's q_lora_rank one.
 MLA_CONFIGS = {"no_q_lora": {}, "q_lora_rank": {"q_lora_rank": 24}}
 # Routing near-ties closer than this end the comparison (as in test_serving_quantized): with LoRA on every MLA

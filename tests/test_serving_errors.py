@@ -6,7 +6,7 @@ import pytest
 
 from kt_serve.harness.server import ServerStartError, SGLangServer
 from kt_serve.harness.tiny_model import build_tiny_moe, build_tokenizer
-from serving_reference import write_expert_peft_adapter
+from kt_serve.harness.reference import write_expert_peft_adapter
 
 
 @pytest.fixture(scope="module")

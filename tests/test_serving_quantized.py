@@ -1,5 +1,5 @@
 """End-to-end: quantized routed experts (--kt-expert-dtype) and FP8 block-quantized checkpoints, served by stock
-SGLang + the kt_serve plugin on CPU and compared with fp32 HF transformers references (tests/serving_reference.py).
+SGLang + the kt_serve plugin on CPU and compared with fp32 HF transformers references (kt_serve/harness/reference.py).
 
 - FP8 checkpoints (tests/fp8_checkpoint.py writes them from tiny bf16 ones): a Qwen3-MoE and a DeepSeek-V2, every
   attention / expert / shared-expert linear in e4m3 with [128, 128] block scales, dims chosen so that some blocks
@@ -29,13 +29,13 @@ from fp8_checkpoint import dequantize_block_fp8, write_fp8_checkpoint
 from kt_serve.harness.server import ServerStartError, SGLangServer
 from kt_serve.harness.tiny_model import build_tiny_moe
 from quant_reference import ref_int8, ref_quantize, write_expert_quantized_reference
-from serving_reference import HFReference, write_kt_adapter
+from kt_serve.harness.reference import HFReference, write_kt_adapter
 from test_serving import LORA_ARGS, MIN_EFFECT, complete, pick_prompts
 from test_serving_deepseek import DEEPSEEK_SERVING_CONFIG
 
 TOL = 0.03  # nats: quantized serving vs an fp32 reference with the same (dequantized) weights
 GROUP = 128  # --kt-expert-group-size (the default)
-# Routing near-ties (serving_reference.routing_margin) end the comparison at 3x test_serving's margin, so that a
+# Routing near-ties (kt_serve.harness.reference.routing_margin) end the comparison at 3x test_serving's margin, so that a
 # different kernel table's rounding (another CI CPU) cannot flip an expert choice inside the compared tokens:
 # with round-to-even int16 inputs instead of half-away, one int4 decode token here came out 0.24 nats off.
 TIE_MARGIN = 3e-3

@@ -1,6 +1,6 @@
 """End-to-end: a tiny Qwen3.5-MoE (3 Gated DeltaNet layers + 1 gated full-attention layer, shared expert) served
 by stock SGLang + the kt_serve plugin on CPU, against HF transformers fp32 (its pure-torch GDN path) with the LoRA
-merged in plain torch (serving_reference.HFReference).
+merged in plain torch (kt_serve.harness.reference.HFReference).
 
 Three servers: the official layout (per-expert keys, as transformers saves it) with composite adapters per request;
 the fused-expert layout (``mlp.experts.gate_up_proj [E, 2I, H]``) with a global ``--kt-expert-lora-path``; and
@@ -24,7 +24,7 @@ from kt_serve.formats.export import convert_adapter
 from kt_serve.harness.server import SGLangServer
 from kt_serve.harness.tiny_model import build_tiny_moe
 from qwen35_adapters import text_config, write_qwen35_adapter
-from serving_reference import HFReference
+from kt_serve.harness.reference import HFReference
 from test_serving import MIN_EFFECT, TOL, assert_matches_reference, concurrent_equals_sequential
 from test_serving import complete as serving_complete
 

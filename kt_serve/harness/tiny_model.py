@@ -33,6 +33,14 @@ FULL_ATTENTION_INTERVAL = 4
 ROUTER_SCALE = 8.0  # qwen3_5_moe: router weights at 8 x the 0.02 init
 # Larger than HF's 0.02 so that routed experts and adapters move the logits visibly in a 2-layer model.
 DEFAULT_INIT_RANGE = 0.05
+# What SGLang's model classes need beyond transformers' config defaults to serve a family (real checkpoints have
+# them): DeepSeek-V2's yarn RoPE (its CPU rotary embedding is deepseek_yarn only), moe_layer_freq and scoring_func.
+SERVING_OVERRIDES = {
+    "deepseek_v2": dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                         "original_max_position_embeddings": 1024, "beta_fast": 32.0,
+                                         "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707},
+                        moe_layer_freq=1, scoring_func="softmax"),
+}
 
 
 def _config(family: str, *, hidden_size, moe_intermediate_size, num_experts, top_k, num_layers, vocab_size,

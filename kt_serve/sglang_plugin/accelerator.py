@@ -93,27 +93,6 @@ def decide_graph_backends(namespace) -> list[str]:
     return turned_off
 
 
-def launch_hook(*args, **kwargs):
-    """BEFORE ServerArgs.from_cli_args(namespace), with the kernel on: parallel layouts it does not serve refused
-    (before SGLang resolves them), and on an accelerator the graph backends decided, logged once."""
-    from .args import config_from_namespace, namespace_of
-
-    namespace = namespace_of(args, kwargs)
-    if namespace is None or not config_from_namespace(namespace).enabled:
-        return None
-    lora = bool(getattr(namespace, "enable_lora", None) or getattr(namespace, "lora_paths", None))
-    message = unsupported_parallel_layout(namespace, lora)
-    if message:
-        raise SystemExit(message)
-    if not accelerator_device(namespace):
-        return None
-    turned_off = decide_graph_backends(namespace)
-    if turned_off:
-        logger.warning("kt_serve: CUDA graphs turned off for %s (SGLang's default captures them): the routed experts "
-                       "run in the kt_serve CPU kernel, which a graph cannot capture yet", " and ".join(turned_off))
-    return None
-
-
 def unsupported_parallel_layout(namespace, lora: bool) -> str | None:
     """One line refusing a parallel layout the kernel's MoE method does not serve, naming the flag and what to use
     instead; None where the layout is served. ``lora``: per-request adapters are enabled."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 
 from kt_serve.kernel.weights import WEIGHT_FORMATS
@@ -15,6 +16,8 @@ from kt_serve.kernel.weights import WEIGHT_FORMATS
 from . import accelerator
 from .config import DENSE_FORMATS, KTServeConfig, local_model_config
 from .cpu_host import compat
+
+logger = logging.getLogger(__name__)
 
 # (flag, dest, argparse kwargs); dest names equal KTServeConfig fields.
 FLAGS = [
@@ -107,6 +110,26 @@ def default_attention_backend_hook(*args, **kwargs):
         from .cpu_host.attention import default_on_cpu
 
         default_on_cpu(namespace, config_from_namespace(namespace).cpu_ops_enabled)
+    return None
+
+
+def accelerator_launch_hook(*args, **kwargs):
+    """BEFORE ServerArgs.from_cli_args(namespace), with the kernel on: parallel layouts it does not serve refused
+    (before SGLang resolves them), and on an accelerator the CUDA graph backends decided, logged once
+    (accelerator.py)."""
+    namespace = namespace_of(args, kwargs)
+    if namespace is None or not config_from_namespace(namespace).enabled:
+        return None
+    lora = bool(getattr(namespace, "enable_lora", None) or getattr(namespace, "lora_paths", None))
+    message = accelerator.unsupported_parallel_layout(namespace, lora)
+    if message:
+        raise SystemExit(message)
+    if accelerator.accelerator_device(namespace):
+        turned_off = accelerator.decide_graph_backends(namespace)
+        if turned_off:
+            logger.warning("kt_serve: CUDA graphs turned off for %s (SGLang's default captures them): the routed "
+                           "experts run in the kt_serve CPU kernel, which a graph cannot capture yet",
+                           " and ".join(turned_off))
     return None
 
 

@@ -45,7 +45,7 @@ DEEPSEEK_WEIGHT_LOADER = "sglang.srt.models.deepseek_common.deepseek_weight_load
 def register_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from . import accelerator, args
+    from . import args
     from .cpu_host.compat import cpu_only_host
     from .models import qwen35
 
@@ -60,7 +60,7 @@ def register_hooks() -> None:
     hook(f"{SERVER_ARGS}.add_cli_args", args.add_cli_args_hook, "AFTER")
     hook(f"{SERVER_ARGS}.from_cli_args", qwen35.hybrid_cache_on_cpu, "BEFORE")
     hook(f"{SERVER_ARGS}.from_cli_args", args.default_attention_backend_hook, "BEFORE")
-    hook(f"{SERVER_ARGS}.from_cli_args", accelerator.launch_hook, "BEFORE")
+    hook(f"{SERVER_ARGS}.from_cli_args", args.accelerator_launch_hook, "BEFORE")
     hook(f"{SERVER_ARGS}.from_cli_args", args.from_cli_args_hook, "AFTER")
     if multiprocessing.parent_process() is None:
         from .adapters import lora_dir

@@ -1,4 +1,5 @@
-"""Independent fp32 reference for the serving tests: HF transformers with LoRA merged in plain torch.
+"""Independent fp32 reference for the serving tests and the GPU self-check (kt_serve.check): HF transformers with
+LoRA merged in plain torch.
 
 Adapters are random tensors written as real KT SFT output dirs (non-expert PEFT file + fused expert file) through
 kt_serve.formats. The reference never uses the plugin or the kernel: it loads the checkpoint in fp32 and adds
