@@ -45,18 +45,18 @@ def emulated() -> bool:
 
 
 def cpu_engine() -> bool:
-    """Whether this process runs the CPU-only host's engine (packed linears, fast paths), rather than the code an
-    accelerator host runs (or its emulation)."""
+    """Whether this process runs SGLang's CPU engine as itself, rather than the code an accelerator host runs (or
+    its emulation)."""
     return cpu_only_host() and not emulated()
 
 
 def accelerator_device(namespace) -> bool:
     """Whether a server launched with these arguments runs its model on an accelerator."""
     device = getattr(namespace, "device", None)
-    return device not in ("cpu",) and (device is not None or not cpu_only_host())
+    return device != "cpu" and (device is not None or not cpu_only_host())
 
 
-# -- launch ------------------------------------------------------------------------------------------------------
+# -- launch (args.accelerator_launch_hook asks these) ----------------------------------------------------
 def _explicit_graph_backends(namespace) -> dict[str, tuple[str, str]]:
     """phase -> (backend, the flag that set it) for the phases whose graph backend the user chose, by SGLang's
     precedence (cuda_graph_hook.parse_cuda_graph_config: JSON > per-phase flags > legacy switches)."""

@@ -52,7 +52,7 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
         self.adapters = get_registry()
         self.experts = None          # kt_serve.kernel.experts.MoEExperts once packed (TP rank 0 only)
         self.compute_rank = self.adapters.holds_experts
-        self.offload = not accelerator.cpu_engine()  # the accelerator host's path (or its emulation)
+        self.emulated_accelerator = accelerator.emulated()  # CPU tensors through the accelerator host's path
         self.routed_scale = 1.0  # what the model leaves to the MoE runner (set_routed_scales, after load)
         self.fp8_block = fp8_block
         self._loaded: set[tuple[int, str, bool]] = set()
@@ -175,10 +175,10 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
         if self.routed_scale != 1.0:  # folded into the fp32 weights: exact, and no pass over the output
             topk_weights = topk_weights.float() * self.routed_scale
         slots = self.adapters.slots_for(x.shape[0])
-        if self.offload:
-            out = self._forward_offload(x, topk_ids, topk_weights, slots)
-        else:
+        if x.device.type == "cpu" and not self.emulated_accelerator:
             out = self._forward_cpu(x, topk_ids, topk_weights, slots)
+        else:
+            out = self._forward_offload(x, topk_ids, topk_weights, slots)
         return StandardCombineInput(hidden_states=out)
 
     def _forward_cpu(self, x, topk_ids, topk_weights, slots):

@@ -15,7 +15,7 @@ import re
 
 import torch
 
-from ..accelerator import cpu_engine
+from ..accelerator import emulated
 from .split import AdapterError
 
 _MOE_BLOCKS = ("Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "DeepseekV2MoE")
@@ -96,7 +96,7 @@ class _Layer:
         self.N, self.I = N, I
         gate_up = torch.stack([t["gate"], t["up"]], dim=1).reshape(N * 2 * I, H)
         down = t["down"].permute(1, 0, 2).reshape(H, N * I)
-        if device.type == "cpu" and cpu_engine():
+        if device.type == "cpu" and not emulated():  # the emulation runs the accelerator host's torch path
             from kt_serve.kernel.linear import PackedLinear
 
             self.gate_up, self.down = PackedLinear(gate_up), PackedLinear(down)
