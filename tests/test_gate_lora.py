@@ -96,7 +96,7 @@ def served(monkeypatch):
     from kt_serve.sglang_plugin.adapters import registry
 
     model = tiny_model()
-    monkeypatch.setattr(registry, "_registry", AdapterRegistry(1, holds_experts=False))  # what the fused CPU ops use
+    monkeypatch.setattr(registry, "_registry", AdapterRegistry(1))  # what the fused CPU ops use
     gates = get_registry().gates
     gates.attach(model, CPU_ARGS)
     tensors = {"a1": peft(ADAPTER_1, 10), "a2": peft(ADAPTER_2, 20)}

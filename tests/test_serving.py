@@ -244,18 +244,42 @@ def test_qwen2_moe_shared_expert(server_q2, qwen2, with_adapter):
 
 
 # -- server 4: tensor parallel on CPU (--tp-size 2) ---------------------------------------------------------
-def test_tensor_parallel_two_ranks(qwen3):
-    """--tp-size 2: attention sharded by SGLang, routed experts once per token on rank 0 (the others add zeros to
-    SGLang's all-reduce), the expert half of a composite adapter bound on rank 0 only, its router LoRA (the
-    plugin's gate LoRA) on every rank: same numbers as tp=1.
+def test_tensor_parallel_two_ranks(qwen3, server_q3):
+    """--tp-size 2: attention sharded by SGLang, and each rank's kernel holds and computes half of every expert's
+    intermediate dimension (the expert halves of the global and the composite adapters sliced to match), summed by
+    SGLang's all-reduce; router LoRA (the plugin's gate LoRA) on every rank. Against the fp32 reference, alone and
+    mixed in one batch, and equal to the tp=1 server; each rank packs half of every expert.
     On this one-NUMA-node host the plugin splits the cores between the ranks (no SGLANG_CPU_OMP_THREADS_BIND)."""
     model, adapters, ref, prompts = qwen3
     args = ["--tp-size", "2", "--kt-expert-lora-path", str(adapters["global"])] + LORA_ARGS + [
-        "--lora-paths", f"both2={adapters['both2']}"]
+        "--lora-paths", f"both2={adapters['both2']}", f"both={adapters['both']}"]
+    expected = {None: ["global"], "both2": ["both2"], "both": ["both"]}
     with SGLangServer(model, args) as server:
-        for name, expected in ((None, ["global"]), ("both2", ["both2"])):
-            ids, logprobs = complete(server, model if name is None else f"{model}:{name}", prompts[0])
-            assert_matches_reference(ref, prompts[0], ids, logprobs, [adapters[k] for k in expected])
+        jobs = [(name, tuple(prompt)) for prompt in prompts[:2] for name in expected]
+
+        def run(job):
+            name, prompt = job
+            return complete(server, model if name is None else f"{model}:{name}", list(prompt))
+
+        results = concurrent_equals_sequential(run, jobs)
+        tp2_log = server.log_path.read_text()
+    for (name, prompt), (ids, logprobs) in results.items():
+        assert_matches_reference(ref, list(prompt), ids, logprobs, [adapters[k] for k in expected[name]])
+        if name == "both":  # served by the tp=1 server too
+            ids1, logprobs1 = complete(server_q3, f"{model}:both", list(prompt))
+            assert ids1 == ids and max(abs(a - b) for a, b in zip(logprobs, logprobs1)) < TOL
+    full = packed_mib(server_q3.log_path.read_text())
+    per_rank = packed_mib(tp2_log)
+    assert set(per_rank) == {(layer, rank) for layer, _ in full for rank in (0, 1)}, per_rank
+    for (layer, rank), (intermediate, mib) in per_rank.items():  # exactly half where I/2 fills the kernel's 64-row
+        assert intermediate * 2 == full[(layer, None)][0] and mib < full[(layer, None)][1]  # blocks (units test)
+
+
+def packed_mib(log: str) -> dict:
+    """(MoE layer, TP rank or None) -> (intermediate size held, MiB packed), from the plugin's log lines."""
+    found = re.findall(r"packed MoE layer (\d+) \(E=\d+, H=\d+, I=(\d+)(?:: TP rank (\d+)'s 1/\d+)?\) into the "
+                       r"kernel: .*?, ([\d.]+) MiB", log)
+    return {(int(layer), int(rank) if rank else None): (int(i), float(mib)) for layer, i, rank, mib in found}
 
 
 # -- refused start-up ---------------------------------------------------------------------------------------

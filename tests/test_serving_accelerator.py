@@ -234,7 +234,8 @@ def test_explicit_graph_capture_refused_naming_the_flag():
 
 LAYOUT_REFUSALS = [
     (["--ep-size", "2"], "kt_serve: --ep-size 2: the kt_serve kernel holds each MoE layer's routed experts in one CPU "
-                         "process; drop --ep-size (TP ranks share the kernel), or pass --kt-moe off"),
+                         "process; drop --ep-size (with --tp-size each rank holds a slice of every expert), or "
+                         "pass --kt-moe off"),
     (["--enable-eplb"], "kt_serve: --enable-eplb / --ep-num-redundant-experts / --init-expert-location: the kt_serve "
                         "kernel holds each routed expert once"),
     (["--ep-num-redundant-experts", "2"], "kt_serve: --enable-eplb / --ep-num-redundant-experts"),

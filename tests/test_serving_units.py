@@ -127,6 +127,36 @@ def test_offload_round_trip_logic_on_cpu(x_dtype, ids_dtype):
     assert torch.equal(y, method._forward_cpu(x, ids, w, 1))
 
 
+def test_tensor_parallel_expert_slices_sum_to_the_full_adapted_experts():
+    """Two TP ranks' kernels, each with its half of every expert's intermediate dimension (gate / up rows, down
+    columns) and ExpertLoRA.shard's half of the adapter: their outputs sum to the fp32 reference of the whole adapted
+    experts (what SGLang's all-reduce computes), and each holds half of the packed expert bytes."""
+    from kt_serve.kernel.experts import ExpertLoRA, MoEExperts
+    from moe_reference import moe_lora_reference
+
+    E, H, I, r, T, k, ranks = 6, 64, 128, 4, 7, 2, 2
+    g = torch.Generator().manual_seed(5)
+    gate, up, down = ((torch.randn(*s, generator=g) * 0.1).bfloat16() for s in ((E, I, H), (E, I, H), (E, H, I)))
+    shapes = [(E, r, H), (E, I, r), (E, r, H), (E, I, r), (E, r, I), (E, H, r)]
+    lora = ExpertLoRA(*((torch.randn(*s, generator=g) * 0.1).bfloat16() for s in shapes), alpha=8.0)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=g)
+    total = torch.zeros(T, H)
+    for rank in range(ranks):
+        rows = slice(rank * I // ranks, (rank + 1) * I // ranks)
+        experts = MoEExperts(gate[:, rows], up[:, rows], down[:, :, rows])
+        experts.set_adapter(0, lora.shard(rank, ranks))
+        total += experts.forward_sft(x, ids, w, save_for_backward=False, slots=0).float()
+    ref = moe_lora_reference(x, ids, w, gate, up, down, lora=lora.to_kt() | {"alpha": 8.0}).float()
+    assert ((total - ref).norm() / ref.norm()).item() < 1e-2
+    unsharded = MoEExperts(gate, up, down)
+    assert experts.weight_bytes * ranks == unsharded.weight_bytes
+    unsharded.set_adapter(0, lora.shard(0, 1))  # one rank: the adapter whole
+    assert ((unsharded.forward_sft(x, ids, w, save_for_backward=False, slots=0).float() - ref).norm()
+            / ref.norm()).item() < 1e-2
+
+
 @pytest.mark.parametrize("given,cpu_ops,amx,mla,expected", [
     ({}, True, False, False, "kt_cpu"),                                   # SGLang would fall back to torch_native
     ({"attention_backend": "torch_native"}, True, False, False, "torch_native"),  # the user's choice stays
@@ -178,7 +208,7 @@ def test_a_layer_filled_by_several_loader_threads_is_packed_once(monkeypatch):
     from kt_serve.sglang_plugin import experts as plugin_experts
 
     E, H, I, threads, layers = 4, 8, 4, 8, 20
-    monkeypatch.setattr(plugin_experts, "get_registry", lambda: SimpleNamespace(holds_experts=True))
+    monkeypatch.setattr(plugin_experts, "get_registry", lambda: SimpleNamespace())  # no scheduler context here
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # switch threads as often as possible: the window between two bytecodes counts
     try:

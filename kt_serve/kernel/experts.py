@@ -100,6 +100,19 @@ class ExpertLoRA:
     def to_kt(self) -> dict:
         return {n: getattr(self, f) for n, f in zip(KT_TENSOR_NAMES, LORA_FIELDS)}
 
+    def shard(self, rank: int, size: int) -> "ExpertLoRA":
+        """Tensor-parallel rank ``rank`` of ``size``'s slice of the intermediate dimension, as its experts hold it
+        (gate / up rows, down columns): gate and up B rows, down A columns; the rest whole. The ranks' outputs then
+        sum to the full adapted experts' output (down's LoRA term is linear in its input)."""
+        if size == 1:
+            return self
+        I = self.gate_b.shape[1]
+        if I % size:
+            raise ValueError(f"expert LoRA: intermediate size {I} does not split over {size} tensor-parallel ranks")
+        rows = slice(rank * (I // size), (rank + 1) * (I // size))
+        return ExpertLoRA(self.gate_a, self.gate_b[:, rows].contiguous(), self.up_a, self.up_b[:, rows].contiguous(),
+                          self.down_a[:, :, rows].contiguous(), self.down_b, alpha=self.alpha)
+
     def tensors(self) -> tuple:
         return tuple(getattr(self, f) for f in LORA_FIELDS)
 

@@ -102,7 +102,8 @@ def unsupported_parallel_layout(namespace, lora: bool) -> str | None:
                 "--kt-moe off to serve with SGLang's wrapper instead")
     if (getattr(namespace, "ep_size", 1) or 1) > 1:
         return (f"kt_serve: --ep-size {namespace.ep_size}: the kt_serve kernel holds each MoE layer's routed experts "
-                "in one CPU process; drop --ep-size (TP ranks share the kernel), or pass --kt-moe off")
+                "in one CPU process; drop --ep-size (with --tp-size each rank holds a slice of every expert), or pass "
+                "--kt-moe off")
     a2a = getattr(namespace, "moe_a2a_backend", "none") or "none"
     if a2a != "none":
         return (f"kt_serve: --moe-a2a-backend {a2a}: the kt_serve kernel takes SGLang's standard dispatch only; "

@@ -7,8 +7,9 @@ returns ``sum_k w_k * expert_k(x)``, times ``routed_scaling_factor`` where the m
 
 Memory: the checkpoint's expert tensors land in CPU staging buffers (never on the GPU); as soon as a layer has all
 of its experts, they are packed into the kernel and the staging buffers are released, so the peak stays near the
-packed size plus one layer. Tensor parallel: TP rank 0 holds the full experts and computes every token once; the
-other ranks return zeros and SGLang's all-reduce sums the two.
+packed size plus one layer. Tensor parallel (``--tp-size N``): each rank holds and computes its 1/N slice of every
+expert's intermediate dimension (gate / up rows, down columns; the expert adapters sliced to match, adapters/
+expert_pool.py), and SGLang's all-reduce sums the ranks' partial outputs, as for its own MoE path.
 """
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ logger = logging.getLogger(__name__)
 
 @functools.cache
 def _size_kernel_pool() -> None:
-    """--kt-threads, once per process, before the first layer packs."""
-    threads = get_config().threads
+    """--kt-threads, once per process, before the first layer packs; by default, where SGLang's CPU engine gives
+    each TP rank its own cores, as many threads as this rank has (the ranks compute their expert slices at once)."""
+    from .cpu_host.compat import rank_cpus
+
+    threads = get_config().threads or len(rank_cpus() or ())
     if threads > 0:
         from kt_serve.kernel.threads import set_num_threads
 
@@ -50,8 +54,8 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
     def __init__(self, fp8_block=None):
         super().__init__()
         self.adapters = get_registry()
-        self.experts = None          # kt_serve.kernel.experts.MoEExperts once packed (TP rank 0 only)
-        self.compute_rank = self.adapters.holds_experts
+        self.experts = None          # kt_serve.kernel.experts.MoEExperts once packed
+        self.shard = (0, 1)          # (TP rank, ranks): this rank's slice of each expert's intermediate dimension
         self.emulated_accelerator = accelerator.emulated()  # CPU tensors through the accelerator host's path
         self.routed_scale = 1.0  # what the model leaves to the MoE runner (set_routed_scales, after load)
         self.fp8_block = fp8_block
@@ -73,18 +77,23 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
             raise ValueError(f"kt_serve: MoE layer {layer.layer_id}: apply_router_weight_on_input is unsupported")
         if extra_weight_attrs.get("with_bias"):
             raise ValueError(f"kt_serve: MoE layer {layer.layer_id} has expert biases; the kernel has none")
-        # full (unsharded) intermediate size: this rank computes every token's experts completely
-        full_i = extra_weight_attrs.get("moe_intermediate_size") or intermediate_size_per_partition * layer.moe_tp_size
-        self.shape = (num_experts, hidden_size, full_i)
-        E, H, I = self.shape if self.compute_rank else (0, 0, 0)
+        self.shard = (int(layer.moe_tp_rank), int(layer.moe_tp_size))
+        ranks = self.shard[1]
+        full_i = extra_weight_attrs.get("moe_intermediate_size") or intermediate_size_per_partition * ranks
+        if full_i % ranks:
+            raise ValueError(f"kt_serve: MoE layer {layer.layer_id}: intermediate size {full_i} does not split over "
+                             f"--tp-size {ranks} ranks")
+        self.shape = (num_experts, hidden_size, full_i // ranks)  # this rank's slice
+        E, H, I = self.shape
         # CPU staging; untouched pages of torch.empty cost no memory, so only the layer being loaded is resident
         dtype = torch.float8_e4m3fn if self.fp8_block else torch.bfloat16
         staging = {"w13_weight": (E, 2 * I, H), "w2_weight": (E, H, I)}
         if self.fp8_block:
             bn, bk = self.fp8_block
-            if I % bn:
-                raise ValueError(f"kt_serve: MoE layer {layer.layer_id}: intermediate size {I} is not a multiple of "
-                                 f"the FP8 block rows {bn}")
+            if full_i % bn or (ranks > 1 and (I % bn or I % bk)):
+                raise ValueError(f"kt_serve: MoE layer {layer.layer_id}: intermediate size {full_i}"
+                                 + (f" over --tp-size {ranks} ({I} a rank)" if ranks > 1 else "")
+                                 + f" is not a multiple of the FP8 blocks {list(self.fp8_block)}")
             if self.weight_format == "fp8" and not fp8_blocks_kept(bk):
                 raise ValueError(f"kt_serve: MoE layer {layer.layer_id}: FP8 blocks [{bn}, {bk}]: the kernel keeps "
                                  "FP8 experts as stored only for K blocks that are a multiple of 64; pass "
@@ -99,8 +108,6 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
 
     def _weight_loader(self, layer):
         def load(param, loaded_weight, weight_name=None, shard_id=None, expert_id=None, *args, **kwargs):
-            if not self.compute_rank:
-                return
             if expert_id is None or shard_id not in ("w1", "w2", "w3"):
                 raise ValueError(f"kt_serve: MoE layer {layer.layer_id}: unsupported expert weight {weight_name} "
                                  f"(shard {shard_id}, expert {expert_id}); per-expert checkpoints only")
@@ -114,6 +121,7 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
             if shard_id != "w2":  # gate rows first, then up, in w13 and in its scales
                 half = target.shape[0] // 2
                 target = target[:half] if shard_id == "w1" else target[half:]
+            loaded_weight = self._rank_slice(loaded_weight, 0 if shard_id != "w2" else 1, target.shape)
             if tuple(target.shape) != tuple(loaded_weight.shape):
                 raise ValueError(f"kt_serve: MoE layer {layer.layer_id}: {weight_name} has shape "
                                  f"{tuple(loaded_weight.shape)}, expected {tuple(target.shape)}")
@@ -124,6 +132,14 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
                     self._pack(layer)
 
         return load
+
+    def _rank_slice(self, loaded_weight, dim: int, want):
+        """This rank's slice of a checkpoint expert tensor (or of its FP8 scales) along the intermediate dimension
+        ``dim`` (w1 / w3 rows, w2 columns), when it holds every rank's."""
+        rank, ranks = self.shard
+        if ranks == 1 or loaded_weight.shape[dim] != want[dim] * ranks:
+            return loaded_weight
+        return loaded_weight.narrow(dim, rank * want[dim], want[dim])
 
     def _pack(self, layer) -> None:
         from kt_serve.kernel.experts import MoEExperts
@@ -143,12 +159,14 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
                 getattr(layer, name).data = torch.empty(0)
         self._loaded.clear()
         self.adapters.experts.add_layer(layer.layer_id, self.experts)
-        logger.info("kt_serve: packed MoE layer %d (E=%d, H=%d, I=%d) into the kernel: %s experts from a %s "
-                    "checkpoint, %.1f MiB (isa %s)", layer.layer_id, *self.shape, self.experts.weight_format,
+        rank, ranks = self.shard
+        logger.info("kt_serve: packed MoE layer %d (E=%d, H=%d, I=%d%s) into the kernel: %s experts from a %s "
+                    "checkpoint, %.2f MiB (isa %s)", layer.layer_id, *self.shape,
+                    f": TP rank {rank}'s 1/{ranks}" if ranks > 1 else "", self.experts.weight_format,
                     "fp8" if self.fp8_block else "bf16", self.experts.weight_bytes / 2**20, self.experts.isa)
 
     def process_weights_after_loading(self, layer) -> None:
-        if self.compute_rank and self.experts is None:
+        if self.experts is None:
             E = self.shape[0]
             want = 3 * E * (2 if self.fp8_block else 1)
             raise ValueError(f"kt_serve: MoE layer {layer.layer_id}: checkpoint gave {len(self._loaded)} of "
@@ -169,8 +187,6 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
         if TopKOutputChecker.format_is_bypassed(topk_output):
             topk_output = topk_output.to_standard()
         x = dispatch_output.hidden_states
-        if not self.compute_rank:
-            return StandardCombineInput(hidden_states=torch.zeros_like(x))
         topk_weights, topk_ids = topk_output.topk_weights, topk_output.topk_ids
         if self.routed_scale != 1.0:  # folded into the fp32 weights: exact, and no pass over the output
             topk_weights = topk_weights.float() * self.routed_scale
@@ -300,14 +316,11 @@ def check_global_adapter(result, model_runner, *args, **kwargs):
     """AFTER ModelRunner.load_model: refuse --kt-expert-lora-path on a model without MoE layers, or naming layers
     that are not MoE layers; size an auto expert-adapter budget from the memory available now and log it."""
     config = get_config()
-    registry = get_registry()
-    if not registry.holds_experts:
-        return result
     import psutil
 
-    pool = registry.experts
+    pool = get_registry().experts
     if config.expert_lora_path and not pool.layers:
         raise ValueError(f"--kt-expert-lora-path {config.expert_lora_path}: model "
                          f"{model_runner.model_config.model_path} has no MoE layers with routed experts")
-    pool.finish_load(psutil.virtual_memory().available)
+    pool.finish_load(psutil.virtual_memory().available // pool.shard[1])  # the TP ranks share this host's memory
     return result

@@ -37,10 +37,11 @@ class _Entry:
 class ExpertPool:
     """MoE layers of this process (layer id -> kernel experts) and the expert halves registered and resident."""
 
-    def __init__(self, budget: ExpertBudget, eviction_policy: str = "lru"):
+    def __init__(self, budget: ExpertBudget, eviction_policy: str = "lru", shard: tuple[int, int] = (0, 1)):
         from sglang.srt.lora.eviction_policy import get_eviction_policy
 
         self.budget = budget
+        self.shard = shard                     # (TP rank, ranks): the slice of each expert's intermediate dim here
         self.layers: dict[int, object] = {}    # layer id -> kt_serve.kernel.experts.MoEExperts
         self.entries: dict[object, _Entry] = {}
         self.policy = get_eviction_policy(eviction_policy)
@@ -276,7 +277,7 @@ class ExpertPool:
                     raise AdapterError(f"{adapter.path}: no expert LoRA for MoE layer {layer_id}")
                 continue
             experts = self.layers[layer_id]
-            E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
+            E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size * self.shard[1]
             want = kt_shapes(E, H, I, adapter.rank)
             for name in KT_TENSOR_NAMES:
                 got = source.kt_shape(name)
@@ -285,8 +286,8 @@ class ExpertPool:
                         f"{adapter.path}: layer {layer_id} {name} has shape {list(got)}, the model expects "
                         f"{list(want[name])} (E={E}, H={H}, I={I}, r={adapter.rank})")
 
-    @staticmethod
-    def _read(adapter, layer_id: int):
+    def _read(self, adapter, layer_id: int):
+        """One layer of the adapter's expert LoRA, this rank's slice of it."""
         from kt_serve.kernel.experts import ExpertLoRA
 
-        return ExpertLoRA.from_kt(adapter.experts.read_one(layer_id), float(adapter.alpha))
+        return ExpertLoRA.from_kt(adapter.experts.read_one(layer_id), float(adapter.alpha)).shard(*self.shard)

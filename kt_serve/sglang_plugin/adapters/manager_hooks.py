@@ -118,9 +118,8 @@ def attach_gates(result, model_runner, *args, **kwargs):
 def report_adapters(result, controller, *args, **kwargs):
     """AFTER the scheduler's get_internal_state (/get_server_info): the expert adapters registered, resident and
     pinned here, with their bytes, the budget and the load / eviction counts."""
-    registry = get_registry()
-    if registry.holds_experts and get_config().enabled:
-        result.internal_state["kt_expert_adapters"] = registry.experts.info()
+    if get_config().enabled:
+        result.internal_state["kt_expert_adapters"] = get_registry().experts.info()
     return result
 
 

@@ -23,21 +23,20 @@ from .split import SplitAdapter
 class AdapterRegistry:
     """Every adapter of this process, by SGLang's lora_id: its expert slot, its gate LoRA; and the current batch.
 
-    ``holds_experts``: whether this rank holds routed experts (TP rank 0; the others return zeros that the
-    all-reduce adds), so whether expert halves are loaded here. Every rank holds its gates.
+    ``shard``: (TP rank, ranks) of the routed experts' intermediate dimension held here; every rank holds its slice
+    of each expert half, and all of its gates and LoRA Experts.
     """
 
-    def __init__(self, budget: ExpertBudget, holds_experts: bool = True, eviction_policy: str = "lru"):
-        self.holds_experts = holds_experts
-        self.experts = ExpertPool(budget, eviction_policy)
+    def __init__(self, budget: ExpertBudget, eviction_policy: str = "lru", shard: tuple[int, int] = (0, 1)):
+        self.experts = ExpertPool(budget, eviction_policy, shard)
         self.gates = GateLoRA(lambda: self.batch)
         self.lora_experts = LoRAExpertsBank(lambda: self.batch)
         self.batch: AdapterBatch | None = None  # the forward in flight; None: no LoRA batch (warm-up, no --enable-lora)
 
     def load(self, lora_id, path: str, split: SplitAdapter, *, name: str | None = None, pinned: bool = False) -> bool:
-        """Register the plugin's halves of a split composite adapter (gate LoRA, LoRA Experts; the expert half where
-        this rank holds experts), all or nothing. Returns whether an expert half was registered here."""
-        experts = split.experts if split.experts is not None and self.holds_experts else None
+        """Register the plugin's halves of a split composite adapter (gate LoRA, LoRA Experts, the expert half), all
+        or nothing. Returns whether an expert half was registered."""
+        experts = split.experts
         try:
             self.gates.load(lora_id, path, split.gates, split.scaling)
             self.lora_experts.load(lora_id, path, split.lora_experts)
@@ -57,7 +56,7 @@ class AdapterRegistry:
     def prepare_batch(self, lora_ids, seq_lens, layer_lora: bool, expert_slots: bool = True) -> None:
         """The adapters of the forward about to run: their expert halves made resident, then each token's slot
         (``expert_slots`` False: no expert is on the kernel)."""
-        if expert_slots and self.holds_experts:
+        if expert_slots:
             self.experts.prepare(set(lora_ids))
         slot_of = self.experts.slot_of if expert_slots else (lambda uid: -1)
         self.batch = AdapterBatch.build(lora_ids, seq_lens, slot_of, layer_lora)
@@ -76,26 +75,27 @@ _registry_lock = threading.Lock()
 
 
 def get_registry() -> AdapterRegistry:
-    """This process's AdapterRegistry (created on first use, with the global expert adapter where this rank holds
-    experts)."""
+    """This process's AdapterRegistry (created on first use, with the global expert adapter)."""
     global _registry
     if _registry is not None:  # read per MoE layer and step: no lock once it exists
         return _registry
     with _registry_lock:
         if _registry is None:
             config = get_config()
-            registry = AdapterRegistry(ExpertBudget.parse(config.max_expert_loras), holds_experts=_tp_rank_zero(),
-                                       eviction_policy=_eviction_policy())
-            if config.expert_lora_path and registry.holds_experts:
+            registry = AdapterRegistry(ExpertBudget.parse(config.max_expert_loras), _eviction_policy(),
+                                       _moe_tp_shard())
+            if config.expert_lora_path:
                 registry.experts.load_global(config.expert_lora_path)
             _registry = registry
         return _registry
 
 
-def _tp_rank_zero() -> bool:
+def _moe_tp_shard() -> tuple[int, int]:
+    """(rank, ranks) of this process in the MoE layers' tensor parallelism (FusedMoE's moe_tp_rank / size)."""
     from sglang.srt.runtime_context import get_parallel
 
-    return get_parallel().tp_rank == 0
+    parallel = get_parallel()
+    return int(parallel.moe_tp_rank), int(parallel.moe_tp_size)
 
 
 def _eviction_policy() -> str:

@@ -40,6 +40,25 @@ def split_cores_between_ranks(server_args, environ=os.environ) -> None:
     environ["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(",".join(cpus[i * per:(i + 1) * per]) for i in range(ranks))
 
 
+def rank_cpus(environ=os.environ) -> list[int] | None:
+    """The CPUs SGLang's CPU engine binds this rank to (its SGLANG_CPU_OMP_THREADS_BIND entry, by the rank's device
+    index as SGLang picks it), or None where no per-rank binding is set."""
+    bind = environ.get("SGLANG_CPU_OMP_THREADS_BIND")
+    if not cpu_only_host() or not bind or bind == "all":
+        return None
+    from sglang.srt.runtime_context import get_device
+
+    entries = bind.split("|")
+    index = int(get_device().gpu_id or 0)
+    if not 0 <= index < len(entries):
+        return None
+    cpus = []
+    for part in entries[index].split(","):
+        first, _, last = part.strip().partition("-")
+        cpus += list(range(int(first), int(last or first) + 1))
+    return cpus
+
+
 def _drop_pin_memory(factory):
     @functools.wraps(factory)
     def wrapper(*args, **kwargs):

@@ -61,7 +61,7 @@ def _plan(block):
 
     experts, topk, gate = getattr(block, "experts", None), getattr(block, "topk", None), getattr(block, "gate", None)
     method = getattr(experts, "quant_method", None)
-    if not isinstance(method, KTRoutedExpertsMethod) or not method.compute_rank or method.experts is None:
+    if not isinstance(method, KTRoutedExpertsMethod) or method.experts is None:
         return "its routed experts are not on the kt_serve kernel"
     if getattr(experts, "moe_tp_size", 1) != 1 or getattr(experts, "moe_ep_size", 1) != 1:
         return "tensor or expert parallel MoE"
