@@ -39,9 +39,10 @@ GROUP = 128  # --kt-expert-group-size (the default)
 # different kernel table's rounding (another CI CPU) cannot flip an expert choice inside the compared tokens:
 # with round-to-even int16 inputs instead of half-away, one int4 decode token here came out 0.24 nats off.
 TIE_MARGIN = 3e-3
-# moe_intermediate_size a multiple of 128 (SGLang's FP8 MoE needs I % block_n == 0); hidden 192 gives partial
-# [128, 128] blocks in every projection that reads or writes the hidden state, and a partial int4 group.
-QWEN3_DIMS = dict(hidden_size=192, moe_intermediate_size=128, head_dim=64)  # q 256, k/v 128 rows (merged qkv)
+# Partial [128, 128] blocks: hidden 192 in every projection that reads or writes the hidden state, and (Qwen3)
+# moe_intermediate_size 160 in the experts' gate / up rows and down columns, which SGLang's CPU engine pads to 256
+# in its config (the plugin packs the checkpoint's 160); a partial int4 group in both.
+QWEN3_DIMS = dict(hidden_size=192, moe_intermediate_size=160, head_dim=64)  # q 256, k/v 128 rows (merged qkv)
 # DeepSeek: kv_b_proj 4 heads x (48 + 48) = 384 rows, three row blocks with their own scales (SGLang's MLA splits it
 # into w_kc / w_vc after loading), o_proj reads 4 x 48 = 192 columns (a partial block), kv_a_proj 32 + 16 rows.
 DEEPSEEK_DIMS = dict(hidden_size=192, moe_intermediate_size=128, qk_nope_head_dim=48, v_head_dim=48,

@@ -27,7 +27,7 @@ from kt_serve.kernel.weights import fp8_blocks_kept
 
 from . import accelerator
 from .adapters.registry import get_registry
-from .config import get_config
+from .config import get_config, local_model_config
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
             raise ValueError(f"kt_serve: MoE layer {layer.layer_id} has expert biases; the kernel has none")
         self.shard = (int(layer.moe_tp_rank), int(layer.moe_tp_size))
         ranks = self.shard[1]
-        full_i = extra_weight_attrs.get("moe_intermediate_size") or intermediate_size_per_partition * ranks
+        full_i = checkpoint_moe_intermediate_size() or intermediate_size_per_partition * ranks
         if full_i % ranks:
             raise ValueError(f"kt_serve: MoE layer {layer.layer_id}: intermediate size {full_i} does not split over "
                              f"--tp-size {ranks} ranks")
@@ -90,15 +90,15 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
         staging = {"w13_weight": (E, 2 * I, H), "w2_weight": (E, H, I)}
         if self.fp8_block:
             bn, bk = self.fp8_block
-            if full_i % bn or (ranks > 1 and (I % bn or I % bk)):
-                raise ValueError(f"kt_serve: MoE layer {layer.layer_id}: intermediate size {full_i}"
-                                 + (f" over --tp-size {ranks} ({I} a rank)" if ranks > 1 else "")
-                                 + f" is not a multiple of the FP8 blocks {list(self.fp8_block)}")
+            if ranks > 1 and (I % bn or I % bk):  # a rank's slice must hold whole scale blocks
+                raise ValueError(f"kt_serve: MoE layer {layer.layer_id}: intermediate size {full_i} over --tp-size "
+                                 f"{ranks} is {I} a rank, not a multiple of the FP8 blocks {list(self.fp8_block)}; "
+                                 "serve it with a --tp-size that splits it into whole blocks")
             if self.weight_format == "fp8" and not fp8_blocks_kept(bk):
                 raise ValueError(f"kt_serve: MoE layer {layer.layer_id}: FP8 blocks [{bn}, {bk}]: the kernel keeps "
                                  "FP8 experts as stored only for K blocks that are a multiple of 64; pass "
                                  "--kt-expert-dtype int8, int4 or bf16 to requantize them at load")
-            staging.update({"w13_weight_scale_inv": (E, 2 * I // bn, -(-H // bk)),
+            staging.update({"w13_weight_scale_inv": (E, 2 * -(-I // bn), -(-H // bk)),  # gate's rows, then up's
                             "w2_weight_scale_inv": (E, -(-H // bn), -(-I // bk))})
         for name, shape in staging.items():
             t = torch.empty(shape, dtype=torch.float32 if "scale" in name else dtype, device="cpu")
@@ -146,13 +146,20 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
 
         _size_kernel_pool()
         config = get_config()
-        kwargs = {}
+        w13, I = layer.w13_weight.data, self.shape[2]
+        weights = {"gate_up_proj": w13}
         if self.fp8_block:
-            kwargs = dict(gate_up_scale_inv=layer.w13_weight_scale_inv.data, down_scale_inv=layer.w2_weight_scale_inv.data,
-                          weight_block_size=self.fp8_block)
-        self.experts = MoEExperts(gate_up_proj=layer.w13_weight.data, down_proj=layer.w2_weight.data,
-                                  max_slots=self.adapters.experts.budget.kernel_slots, weight_format=self.weight_format,
-                                  group_size=config.expert_group_size, **kwargs)
+            s13, bn = layer.w13_weight_scale_inv.data, self.fp8_block[0]
+            weights.update(gate_up_scale_inv=s13, down_scale_inv=layer.w2_weight_scale_inv.data,
+                           weight_block_size=self.fp8_block)
+            if I % bn:  # a partial edge block of scale rows: gate's and up's scale grids passed apart
+                rows = -(-I // bn)
+                del weights["gate_up_proj"], weights["gate_up_scale_inv"]
+                weights.update(gate_proj=w13[:, :I].contiguous(), up_proj=w13[:, I:].contiguous(),
+                               gate_scale_inv=s13[:, :rows].contiguous(), up_scale_inv=s13[:, rows:].contiguous())
+        self.experts = MoEExperts(down_proj=layer.w2_weight.data, **weights,
+                                  max_slots=self.adapters.experts.budget.kernel_slots,
+                                  weight_format=self.weight_format, group_size=config.expert_group_size)
         # the kernel holds its own packed copy now: release SGLang's
         for name in ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv"):
             if hasattr(layer, name):
@@ -267,6 +274,19 @@ def fused_moe_init(*args, **kwargs):
     fp8_block = checkpoint_fp8_block(bound.arguments.get("quant_config"), bound.arguments.get("prefix", ""))
     kwargs["quant_method"] = KTRoutedExpertsMethod(fp8_block)
     return args, kwargs
+
+
+@functools.cache
+def checkpoint_moe_intermediate_size() -> int | None:
+    """The routed experts' intermediate size as the served checkpoint stores it (None: not a local checkpoint, or no
+    such field). SGLang's CPU engine pads its config's to a multiple of the TP size times the FP8 block
+    (configs/update_config.py adjust_config_with_unaligned_cpu_tp) and loads into padded buffers; the kernel holds
+    the checkpoint's own size, so no padded rows are computed and expert adapters keep their shapes."""
+    from sglang.srt.runtime_context import get_server_args
+
+    config = local_model_config(get_server_args().model_path) or {}
+    value = (config.get("text_config") or config).get("moe_intermediate_size")
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def checkpoint_fp8_block(quant_config, prefix: str):
