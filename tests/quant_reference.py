@@ -53,9 +53,11 @@ def ref_quantize(w, fmt, group=128):
     return {"int8": lambda: ref_int8(w), "int4": lambda: ref_int4(w, group), "fp8": lambda: ref_fp8(w, group)}[fmt]()
 
 
-def write_expert_quantized_reference(model_dir, out_dir, fmt: str, group: int = 128, dense_fmt: str = "bf16"):
-    """fp32 copy of checkpoint ``model_dir`` whose routed expert weights are their ``fmt`` dequantized values, and
-    its attention projections their ``dense_fmt`` ones (--kt-dense-dtype)."""
+def write_expert_quantized_reference(model_dir, out_dir, fmt: str, group: int = 128, dense_fmt: str = "bf16",
+                                     lm_head_fmt: str = "bf16"):
+    """fp32 copy of checkpoint ``model_dir`` whose routed expert weights are their ``fmt`` dequantized values, its
+    attention projections their ``dense_fmt`` ones (--kt-dense-dtype) and lm_head its ``lm_head_fmt`` ones
+    (--kt-lm-head-dtype)."""
     from safetensors.torch import load_file, save_file
 
     if out_dir.exists():
@@ -67,6 +69,8 @@ def write_expert_quantized_reference(model_dir, out_dir, fmt: str, group: int = 
             return ref_quantize(v.float(), fmt, group)
         if k.endswith("_proj.weight") and ".self_attn." in k:
             return ref_quantize(v.float(), dense_fmt, group)
+        if k == "lm_head.weight":
+            return ref_quantize(v.float(), lm_head_fmt, group)
         return v.float()
     ref = {k: quantized(k, v) for k, v in state.items()}
     save_file(ref, out_dir / "model.safetensors", metadata={"format": "pt"})

@@ -216,6 +216,30 @@ def test_dense_dtype_int4_with_int8_experts(workdir, qwen3_bf16):
     assert stats["mean_vs_reference"] < stats["mean_vs_bf16"] / 2, stats
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_lm_head_dtype(workdir, qwen3_bf16, fmt):
+    """--kt-lm-head-dtype: lm_head quantized at load (the largest dense matrix a decode step reads at a 150k+
+    vocabulary), everything else bf16; against the reference with lm_head's weights quantized by the same rules. int4
+    must sit far closer to that reference than to the bf16 model (the server runs the quantized lm_head)."""
+    from sglang.srt.utils.common import cpu_has_amx_support
+
+    ref = write_expert_quantized_reference(qwen3_bf16[0], workdir / f"qwen3_lm_head_{fmt}_ref", "bf16", GROUP,
+                                           lm_head_fmt=fmt)
+    c = case(workdir, f"qwen3_lm_head_{fmt}", qwen3_bf16[0], ref, qwen3_bf16)
+    args = ["--kt-lm-head-dtype", fmt]
+    if cpu_has_amx_support():  # SGLang's AMX kernels run lm_head in bf16 there: refused, not served otherwise
+        with pytest.raises(ServerStartError, match=f"--kt-lm-head-dtype {fmt}: the kt_serve kernel runs"):
+            with serve(c, args):
+                pass
+        return
+    with serve(c, args) as server:
+        stats = check_case(server, c)
+        log = server.log_tail(100000)
+    assert f"(6 bf16, 1 {fmt};" in log, log[-3000:]  # 2 layers x (qkv, o) and the 2 routers bf16, lm_head not
+    if fmt == "int4":
+        assert stats["mean_vs_reference"] < stats["mean_vs_bf16"] / 2, stats
+
+
 # -- refused start-up --------------------------------------------------------------------------------------
 def test_awq_checkpoint_refused_at_start(workdir, qwen3_bf16):
     awq = workdir / "qwen3_awq"

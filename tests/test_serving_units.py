@@ -36,21 +36,25 @@ def test_config_round_trips_through_the_environment():
         KTServeConfig(moe="maybe")
 
 
-def test_dense_dtype_needs_the_packed_cpu_ops_and_a_known_format():
+@pytest.mark.parametrize("flag, field", [("--kt-dense-dtype", "dense_dtype"), ("--kt-lm-head-dtype", "lm_head_dtype")])
+def test_dense_dtype_needs_the_packed_cpu_ops_and_a_known_format(flag, field):
     env = {}
-    KTServeConfig(dense_dtype="int4").export(env)
-    assert KTServeConfig.from_env(env).dense_dtype == "int4"
-    with pytest.raises(ValueError, match="--kt-dense-dtype int8 quantizes the linear layers --kt-cpu-ops packs"):
-        KTServeConfig(dense_dtype="int8", cpu_ops="off")
-    with pytest.raises(ValueError, match="--kt-dense-dtype int8 quantizes"):
-        KTServeConfig(dense_dtype="int8", moe="off")  # cpu_ops auto follows --kt-moe
-    with pytest.raises(ValueError, match=r"--kt-dense-dtype='fp8': expected bf16, int8, int4"):
-        KTServeConfig(dense_dtype="fp8")
+    KTServeConfig(**{field: "int4"}).export(env)
+    assert getattr(KTServeConfig.from_env(env), field) == "int4"
+    with pytest.raises(ValueError, match=f"{flag} int8 quantizes layers --kt-cpu-ops packs"):
+        KTServeConfig(**{field: "int8"}, cpu_ops="off")
+    with pytest.raises(ValueError, match=f"{flag} int8 quantizes"):
+        KTServeConfig(**{field: "int8"}, moe="off")  # cpu_ops auto follows --kt-moe
+    with pytest.raises(ValueError, match=f"{flag}='fp8': expected bf16, int8, int4"):
+        KTServeConfig(**{field: "fp8"})
 
 
 def test_dense_dtype_refused_where_sglangs_own_kernels_run_the_dense_layers(monkeypatch):
     """--kt-dense-dtype quantizes the layers the plugin packs; on an AMX or GPU host SGLang's kernels run them in
-    bf16, so the flag is refused at start with the reason instead of being ignored."""
+    bf16, so the flag is refused at start with the reason instead of being ignored; so is --kt-lm-head-dtype where
+    SGLang's LoRA layer would run lm_head."""
+    from types import SimpleNamespace
+
     import sglang.srt.utils.common as common
 
     from kt_serve.sglang_plugin import args
@@ -67,6 +71,11 @@ def test_dense_dtype_refused_where_sglangs_own_kernels_run_the_dense_layers(monk
     monkeypatch.setattr(common, "cpu_has_amx_support", lambda: False)
     monkeypatch.setattr(cpu_compat, "cpu_only_host", lambda: False)  # a GPU host
     assert "drop the flag" in args.unpacked_dense_layers(int8)
+    monkeypatch.setattr(cpu_compat, "cpu_only_host", lambda: True)
+    head = KTServeConfig(lm_head_dtype="int4")
+    assert args.unpacked_dense_layers(head, SimpleNamespace(lora_target_modules=["q_proj", "v_proj"])) is None
+    assert args.unpacked_dense_layers(head, SimpleNamespace(lora_target_modules=["q_proj", "lm_head"])).startswith(
+        "--kt-lm-head-dtype int4: --lora-target-modules lm_head q_proj puts LoRA on lm_head")
 
 
 def test_torch_omp_spin_is_shortened_only_where_unset_and_kernel_on():

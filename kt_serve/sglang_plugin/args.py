@@ -51,6 +51,11 @@ FLAGS = [
           help="kt_serve: with --kt-cpu-ops on a CPU host without AMX, quantize the packed linear layers (attention "
                "projections, shared experts, dense MLPs; not the routers nor lm_head) at load: int8 per channel, "
                "int4 per group of --kt-expert-group-size (default: bf16, as the checkpoint)")),
+    ("--kt-lm-head-dtype", "lm_head_dtype",
+     dict(choices=list(DENSE_FORMATS), default="bf16",
+          help="kt_serve: with --kt-cpu-ops on a CPU host without AMX, quantize the packed lm_head at load: int8 per "
+               "channel, int4 per group of --kt-expert-group-size (default: bf16). With a 150k-250k vocabulary it is "
+               "read whole every decode step")),
     ("--kt-lora-cache-dir", "lora_cache_dir",
      dict(default=None, help="kt_serve: where composite adapters are split (default: a per-user temp dir)")),
     ("--kt-lora-dir", "lora_dir",
@@ -152,7 +157,7 @@ def from_cli_args_hook(server_args, *args, **kwargs):
     message = unsupported_architecture(getattr(server_args, "model_path", None))
     if config.enabled:
         message = message or unsupported_quantization(server_args)
-    message = message or unpacked_dense_layers(config)
+    message = message or unpacked_dense_layers(config, server_args)
     if message:
         raise SystemExit(message)
     config.export()
@@ -165,16 +170,22 @@ def from_cli_args_hook(server_args, *args, **kwargs):
     return server_args
 
 
-def unpacked_dense_layers(config) -> str | None:
-    """Why --kt-dense-dtype cannot be honoured on this host (the layers it quantizes are packed on CPU-only hosts
-    without AMX; elsewhere SGLang's own kernels run them in bf16), or None."""
-    if config.dense_dtype == "bf16":
-        return None
+def unpacked_dense_layers(config, server_args=None) -> str | None:
+    """Why --kt-dense-dtype / --kt-lm-head-dtype cannot be honoured here (the layers they quantize are packed on
+    CPU-only hosts without AMX; elsewhere SGLang's own kernels run them in bf16; a LoRA-wrapped lm_head runs as
+    SGLang's), or None."""
     from sglang.srt.utils.common import cpu_has_amx_support
 
-    if not compat.cpu_only_host() or cpu_has_amx_support():
-        return (f"--kt-dense-dtype {config.dense_dtype}: the kt_serve kernel runs the linear layers on CPU-only hosts "
-                "without AMX; here SGLang's own kernels run them in bf16 (drop the flag)")
+    for flag, value in (("--kt-dense-dtype", config.dense_dtype), ("--kt-lm-head-dtype", config.lm_head_dtype)):
+        if value == "bf16":
+            continue
+        if not compat.cpu_only_host() or cpu_has_amx_support():
+            return (f"{flag} {value}: the kt_serve kernel runs the linear layers on CPU-only hosts without AMX; "
+                    "here SGLang's own kernels run them in bf16 (drop the flag)")
+        targets = {str(t) for t in (getattr(server_args, "lora_target_modules", None) or [])}
+        if flag == "--kt-lm-head-dtype" and targets & {"lm_head", "all"}:
+            return (f"{flag} {value}: --lora-target-modules {' '.join(sorted(targets))} puts LoRA on lm_head, which "
+                    "SGLang's LoRA layer then runs in bf16; leave lm_head out of the targets or drop the flag")
     return None
 
 

@@ -91,6 +91,8 @@ class KTServeConfig:
     cpu_ops: str = "auto"
     # format of those linear layers once packed (not the routers nor lm_head): bf16, or int8 / int4 quantized at load
     dense_dtype: str = "bf16"
+    # format of the packed lm_head: bf16, or int8 / int4 quantized at load
+    lm_head_dtype: str = "bf16"
 
     def __post_init__(self):
         if self.moe not in ("on", "off"):
@@ -104,11 +106,12 @@ class KTServeConfig:
             raise ValueError(f"--kt-expert-group-size={self.expert_group_size}: expected a positive multiple of 64")
         if self.cpu_ops not in ("auto", "on", "off"):
             raise ValueError(f"--kt-cpu-ops={self.cpu_ops!r}: expected auto, on or off")
-        if self.dense_dtype not in DENSE_FORMATS:
-            raise ValueError(f"--kt-dense-dtype={self.dense_dtype!r}: expected {', '.join(DENSE_FORMATS)}")
-        if self.dense_dtype != "bf16" and not self.cpu_ops_enabled:
-            raise ValueError(f"--kt-dense-dtype {self.dense_dtype} quantizes the linear layers --kt-cpu-ops packs; "
-                             "it needs --kt-cpu-ops on (or auto with --kt-moe on)")
+        for flag, value in (("--kt-dense-dtype", self.dense_dtype), ("--kt-lm-head-dtype", self.lm_head_dtype)):
+            if value not in DENSE_FORMATS:
+                raise ValueError(f"{flag}={value!r}: expected {', '.join(DENSE_FORMATS)}")
+            if value != "bf16" and not self.cpu_ops_enabled:
+                raise ValueError(f"{flag} {value} quantizes layers --kt-cpu-ops packs; it needs --kt-cpu-ops on (or "
+                                 "auto with --kt-moe on)")
         if self.moe == "off" and self.expert_lora_path:
             raise ValueError("--kt-expert-lora-path needs --kt-moe on (expert LoRA runs in the kt_serve kernel)")
 

@@ -63,10 +63,11 @@ def _router(name: str) -> bool:
     return name.endswith(".gate") or name.endswith("shared_expert_gate")
 
 
-def pack_model(model, enable_lora: bool = False, dense_dtype: str = "bf16", group_size: int = 128) -> int:
+def pack_model(model, enable_lora: bool = False, dense_dtype: str = "bf16", group_size: int = 128,
+               lm_head_dtype: str = "bf16") -> int:
     """Packs every bf16 linear layer run by SGLang's unquantized (or our dequantized-FP8) method, and lm_head, and
     releases the torch weights nothing else reads. ``dense_dtype`` int8 / int4 quantizes the linear layers (not
-    the routers nor lm_head) at packing. Returns the packed bytes."""
+    the routers), ``lm_head_dtype`` lm_head, at packing. Returns the packed bytes."""
     from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
     from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
 
@@ -81,7 +82,7 @@ def pack_model(model, enable_lora: bool = False, dense_dtype: str = "bf16", grou
         if not (linear or lm_head) or not _packable(module):
             continue
         bias = getattr(module, "bias", None) if linear else None
-        fmt = dense_dtype if linear and not _router(name) else "bf16"
+        fmt = lm_head_dtype if lm_head else dense_dtype if not _router(name) else "bf16"
         packed = PackedLinear(module.weight.data, bias if isinstance(bias, torch.Tensor) else None,
                               weight_format=fmt, group_size=group_size)
         setattr(module, _PACKED, packed)
@@ -135,7 +136,7 @@ def after_load_model(result, model_runner, *args, **kwargs):
     """AFTER ModelRunner.load_model (CPU host, --kt-cpu-ops on): pack the loaded model's dense layers."""
     config = get_config()
     pack_model(model_runner.model, enable_lora=bool(getattr(model_runner.server_args, "enable_lora", False)),
-               dense_dtype=config.dense_dtype, group_size=config.expert_group_size)
+               dense_dtype=config.dense_dtype, group_size=config.expert_group_size, lm_head_dtype=config.lm_head_dtype)
     return result
 
 
