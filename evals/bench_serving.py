@@ -28,6 +28,7 @@ after row, --repeats times, the median run kept, so a slow drift of the machine 
   kt adapter+le ... :a with KT-FT LoRA Experts added (N 2, intermediate 1024, KT's defaults)
   kt int8 / kt int4 / kt fp8   "kt base" with --kt-expert-dtype int8 / int4 / fp8 (experts quantized at load)
   kt int8 dense int8 / kt int4 dense int8 / kt int4 dense int4   ... and --kt-dense-dtype (attention too)
+  kt int4 dense int8 head int8 / ... head int4   ... and --kt-lm-head-dtype
   <kt row> @baseline   with --baseline-python PYTHON: the same row served from another install (a venv holding the
                 previous commit, say), so a change's before and after are measured in one run
   llama.cpp base / expert / mixed   llama-server (-t = the kernel's threads, -np = the most streams) on the same
@@ -382,6 +383,8 @@ def main(argv=None):
         **{f"kt {fmt}": (["--kt-expert-dtype", fmt], {}, [model]) for fmt in ("int8", "int4", "fp8")},
         **{f"kt {fmt} dense {dense}": (["--kt-expert-dtype", fmt, "--kt-dense-dtype", dense], {}, [model])
            for fmt, dense in (("int8", "int8"), ("int4", "int8"), ("int4", "int4"))},
+        **{f"kt int4 dense int8 head {head}": (["--kt-expert-dtype", "int4", "--kt-dense-dtype", "int8",
+                                                "--kt-lm-head-dtype", head], {}, [model]) for head in ("int8", "int4")},
     }
     rows.update({name + BASELINE: rows[name] for name in list(rows) if name.startswith("kt ")})
     requests = {name: [{"model": m} for m in models] for name, (_, _, models) in rows.items()}
