@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from kt_serve.harness.reference import HFReference, model_dims, write_kt_adapter
+from kt_serve.harness.reference import HFReference, compared_positions, model_dims, pick_prompts, write_kt_adapter
 from kt_serve.harness.report import markdown_table
 from kt_serve.harness.server import SGLangServer
 from kt_serve.harness.tiny_model import SERVING_OVERRIDES, build_tiny_moe
@@ -38,41 +38,9 @@ GRAPHS_OFF = ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-p
 ADAPTER = "composite"
 
 
-def pick_prompts(ref: HFReference, adapter: Path, n: int = 2) -> list[list[int]]:
-    """Random prompts whose reference routing has no near-tie over the prompt and the checked tokens, base and
-    adapter."""
-    g = torch.Generator().manual_seed(0)
-    prompts = []
-    for _ in range(400):
-        prompt = torch.randint(3, 1000, (PROMPT_LEN,), generator=g).tolist()
-        if all(ref.logprobs_and_routing(prompt, 1, dirs, tie_margin=TIE_MARGIN)[1] >= PROMPT_LEN
-               for dirs in ([], [adapter])):
-            prompts.append(prompt)
-            if len(prompts) == n:
-                return prompts
-    raise RuntimeError("no prompt without a routing near-tie among 400 random ones")
-
-
-def complete(server: SGLangServer, model: str, prompt: list[int], max_tokens: int, ignore_eos: bool = False):
-    import openai
-
-    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", timeout=300, max_retries=0)
-    r = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=1,
-                                  extra_body={"return_token_ids": True, "ignore_eos": ignore_eos})
-    choice = r.choices[0]
-    return list(choice.token_ids), list(choice.logprobs.token_logprobs)
-
-
-def compare(ref: HFReference, prompt, ids, logprobs, dirs) -> tuple[int, float]:
-    """(tokens compared, max |served - reference| logprob) before the reference's first routing near-tie."""
-    want, first_tie = ref.logprobs_and_routing(prompt + ids, len(prompt), dirs, tie_margin=TIE_MARGIN)
-    keep = [i for i in range(min(len(logprobs), len(want))) if len(prompt) + i - 1 < first_tie]
-    return len(keep), max((abs(logprobs[i] - want[i]) for i in keep), default=float("nan"))
-
-
 def decode_tok_s(server: SGLangServer, model: str, prompt: list[int]) -> float:
     start = time.perf_counter()
-    ids, _ = complete(server, model, prompt, SPEED_TOKENS, ignore_eos=True)
+    ids, _ = server.greedy(model, prompt, SPEED_TOKENS, ignore_eos=True, timeout=300)
     return len(ids) / (time.perf_counter() - start)
 
 
@@ -89,8 +57,9 @@ def check_family(family: str, workdir: Path, device: str, env: dict) -> list[dic
     adapter = write_kt_adapter(workdir / f"{family}_adapter", model, seed=1, rank=4, gates=True,
                                shared_expert=bool(model_dims(model)["shared_expert"]))
     ref = HFReference(model)
-    prompts = pick_prompts(ref, adapter)
+    prompts = pick_prompts(ref, [[], [adapter]], n=2, length=PROMPT_LEN, tie_margin=TIE_MARGIN)
     jobs = [(name, i) for i in range(len(prompts)) for name in (None, ADAPTER)]
+    served = {None: str(model), ADAPTER: f"{model}:{ADAPTER}"}  # the request's model field
     rows = []
     modes = [("plain launch", [])] + ([("graphs off", GRAPHS_OFF)] if device != "cpu" else [])  # no graphs on CPU
     for mode, flags in modes:
@@ -101,25 +70,23 @@ def check_family(family: str, workdir: Path, device: str, env: dict) -> list[dic
 
             def run(job):
                 name, i = job
-                return complete(server, str(model) if name is None else f"{model}:{name}", prompts[i],
-                                CHECKED_TOKENS, ignore_eos=True)
+                return server.greedy(served[name], prompts[i], CHECKED_TOKENS, ignore_eos=True, timeout=300)
 
             alone = {job: run(job) for job in jobs}
             with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
                 mixed = dict(zip(jobs, pool.map(run, jobs)))
-            speed = {name: decode_tok_s(server, str(model) if name is None else f"{model}:{name}", prompts[0])
-                     for name in (None, ADAPTER)}
+            speed = {name: decode_tok_s(server, served[name], prompts[0]) for name in served}
             graphs = graphs_of(server, flags, device)
-        for name in (None, ADAPTER):
+        for name in served:
             dirs = [] if name is None else [adapter]
-            compared, worst = 0, 0.0
-            same = True
+            compared, diffs, same = 0, [], True
             for job in [j for j in jobs if j[0] == name]:
-                (ids, logprobs), (mixed_ids, mixed_lp) = alone[job], mixed[job]
-                n, diff = compare(ref, prompts[job[1]], ids, logprobs, dirs)
-                _, mixed_diff = compare(ref, prompts[job[1]], mixed_ids, mixed_lp, dirs)
-                compared, worst = compared + n, max(worst, diff, mixed_diff)
-                same = same and ids == mixed_ids
+                for ids, logprobs in (alone[job], mixed[job]):
+                    keep, want, _ = compared_positions(ref, prompts[job[1]], ids, dirs, TIE_MARGIN)
+                    diffs += [abs(logprobs[i] - want[i]) for i in keep]
+                    compared += len(keep)
+                same = same and alone[job][0] == mixed[job][0]
+            worst = max(diffs, default=float("nan"))
             rows.append({"family": family, "launch": mode, "CUDA graphs": graphs,
                          "request": name or "base", "tokens compared": compared,
                          "max Δ logprob (nats)": worst, "mixed batch = alone": "yes" if same else "NO",

@@ -16,6 +16,7 @@ import pytest
 
 from kt_serve.harness.server import ServerStartError, SGLangServer
 from kt_serve.harness.tiny_model import build_tiny_moe
+from kt_serve.harness import reference
 from kt_serve.harness.reference import HFReference, write_expert_peft_adapter, write_kt_adapter
 
 TOL = 0.02  # nats; bf16 serving vs fp32 reference (notes: 0.001-0.013 observed)
@@ -52,38 +53,19 @@ def qwen3(workdir):
 
 
 def pick_prompts(ref, adapter_sets, n=3, seed=0, tie_margin=TIE_MARGIN):
-    """Prompts whose routing has no reference near-tie (closer than ``tie_margin``) under any of the adapter sets
-    (see logprobs_and_routing): past a near-tie the bf16 server may route differently, so such a prompt would leave
-    nothing to compare."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    prompts = []
-    while len(prompts) < n:
-        prompt = torch.randint(3, 1000, (PROMPT_LEN,), generator=g).tolist()
-        if all(ref.logprobs_and_routing(prompt, 1, dirs, tie_margin=tie_margin)[1] >= PROMPT_LEN for dirs in adapter_sets):
-            prompts.append(prompt)
-    return prompts
-
-
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", timeout=120, max_retries=0)
+    """PROMPT_LEN-token prompts with no reference routing near-tie under any of the adapter sets."""
+    return reference.pick_prompts(ref, adapter_sets, n=n, length=PROMPT_LEN, tie_margin=tie_margin, seed=seed)
 
 
 def complete(server, model: str, prompt: list[int], max_tokens: int = MAX_TOKENS, ignore_eos: bool = False):
     """Greedy completion: (token ids, per-token logprobs)."""
-    extra = {"return_token_ids": True, **({"ignore_eos": True} if ignore_eos else {})}
-    r = client(server).completions.create(model=str(model), prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                          logprobs=1, extra_body=extra)
-    choice = r.choices[0]
-    return list(choice.token_ids), list(choice.logprobs.token_logprobs)
+    return server.greedy(model, prompt, max_tokens, ignore_eos=ignore_eos)
 
 
 def assert_matches_reference(ref, prompt, ids, logprobs, adapter_dirs, *, tie_margin=TIE_MARGIN, min_compared=1):
     """Every served logprob predicted before the reference's first routing near-tie (closer than ``tie_margin``)
     is within TOL, and at least ``min_compared`` are. Returns the positions compared."""
-    want, first_tie = ref.logprobs_and_routing(prompt + ids, len(prompt), adapter_dirs, tie_margin=tie_margin)
-    keep = [i for i in range(min(len(logprobs), len(want))) if len(prompt) + i - 1 < first_tie]
+    keep, want, first_tie = reference.compared_positions(ref, prompt, ids, adapter_dirs, tie_margin)
     assert len(keep) >= min_compared, (f"routing near-tie at position {first_tie} leaves {len(keep)} tokens to "
                                        f"compare; pick another prompt")
     diff = max(abs(logprobs[i] - want[i]) for i in keep)

@@ -52,11 +52,15 @@ def deepseek(tmp_path_factory):
     return model, adapters, ref, prompts
 
 
+def emulated_server(model, adapters: dict, args=LORA_ARGS) -> SGLangServer:
+    """A server through the accelerator host's code, the adapters loaded by name."""
+    return SGLangServer(model, [*args, "--lora-paths", *(f"{n}={p}" for n, p in adapters.items())], env=EMULATE)
+
+
 @pytest.fixture(scope="module")
 def server_deepseek(deepseek):
     model, adapters, _, _ = deepseek
-    with SGLangServer(model, LORA_ARGS + ["--lora-paths", *(f"{n}={p}" for n, p in adapters.items())],
-                      env=EMULATE) as server:
+    with emulated_server(model, adapters) as server:
         yield server
 
 
@@ -103,8 +107,7 @@ def qwen3(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server_qwen3(qwen3):
     model, adapters, _, _ = qwen3
-    with SGLangServer(model, LORA_ARGS + ["--lora-paths", *(f"{n}={p}" for n, p in adapters.items())],
-                      env=EMULATE) as server:
+    with emulated_server(model, adapters) as server:
         yield server
 
 
@@ -131,7 +134,7 @@ def qwen35(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server_qwen35(qwen35):
     model, adapters, _, _ = qwen35
-    with SGLangServer(model, q35.ARGS + ["--lora-paths", f"both={adapters['both']}"], env=EMULATE) as server:
+    with emulated_server(model, adapters, q35.ARGS) as server:
         yield server
 
 

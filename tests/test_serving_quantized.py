@@ -201,19 +201,26 @@ def test_dense_dtype_int4_with_int8_experts(workdir, qwen3_bf16):
     ref = write_expert_quantized_reference(qwen3_bf16[0], workdir / "qwen3_int8_dense_int4_ref", "int8", GROUP,
                                            dense_fmt="int4")
     c = case(workdir, "qwen3_int8_dense_int4", qwen3_bf16[0], ref, qwen3_bf16)
-    from sglang.srt.utils.common import cpu_has_amx_support
-
-    args = ["--kt-expert-dtype", "int8", "--kt-dense-dtype", "int4"]
-    if cpu_has_amx_support():  # SGLang's AMX kernels run those layers in bf16 there: refused, not served otherwise
-        with pytest.raises(ServerStartError, match="--kt-dense-dtype int4: the kt_serve kernel runs the linear"):
-            with serve(c, args):
-                pass
+    served = serve_packed_layers(c, ["--kt-expert-dtype", "int8", "--kt-dense-dtype", "int4"], "--kt-dense-dtype int4")
+    if served is None:
         return
-    with serve(c, args) as server:
-        stats = check_case(server, c)
-        log = server.log_tail(100000)
+    stats, log = served
     assert "(3 bf16, 4 int4;" in log, log[-3000:]  # 2 layers x (qkv, o) in int4; the 2 routers and lm_head bf16
     assert stats["mean_vs_reference"] < stats["mean_vs_bf16"] / 2, stats
+
+
+def serve_packed_layers(c, args, flag):
+    """Serve case ``c`` with ``args`` that quantize layers the plugin packs and check it: (stats, server log). With
+    AMX, SGLang's kernels run those layers in bf16: the start must be refused naming ``flag`` (then None)."""
+    from sglang.srt.utils.common import cpu_has_amx_support
+
+    if cpu_has_amx_support():
+        with pytest.raises(ServerStartError, match=f"{flag}: the kt_serve kernel runs the linear layers"):
+            with serve(c, args):
+                pass
+        return None
+    with serve(c, args) as server:
+        return check_case(server, c), server.log_tail(100000)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
@@ -221,20 +228,13 @@ def test_lm_head_dtype(workdir, qwen3_bf16, fmt):
     """--kt-lm-head-dtype: lm_head quantized at load (the largest dense matrix a decode step reads at a 150k+
     vocabulary), everything else bf16; against the reference with lm_head's weights quantized by the same rules. int4
     must sit far closer to that reference than to the bf16 model (the server runs the quantized lm_head)."""
-    from sglang.srt.utils.common import cpu_has_amx_support
-
     ref = write_expert_quantized_reference(qwen3_bf16[0], workdir / f"qwen3_lm_head_{fmt}_ref", "bf16", GROUP,
                                            lm_head_fmt=fmt)
     c = case(workdir, f"qwen3_lm_head_{fmt}", qwen3_bf16[0], ref, qwen3_bf16)
-    args = ["--kt-lm-head-dtype", fmt]
-    if cpu_has_amx_support():  # SGLang's AMX kernels run lm_head in bf16 there: refused, not served otherwise
-        with pytest.raises(ServerStartError, match=f"--kt-lm-head-dtype {fmt}: the kt_serve kernel runs"):
-            with serve(c, args):
-                pass
+    served = serve_packed_layers(c, ["--kt-lm-head-dtype", fmt], f"--kt-lm-head-dtype {fmt}")
+    if served is None:
         return
-    with serve(c, args) as server:
-        stats = check_case(server, c)
-        log = server.log_tail(100000)
+    stats, log = served
     assert f"(6 bf16, 1 {fmt};" in log, log[-3000:]  # 2 layers x (qkv, o) and the 2 routers bf16, lm_head not
     if fmt == "int4":
         assert stats["mean_vs_reference"] < stats["mean_vs_bf16"] / 2, stats

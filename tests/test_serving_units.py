@@ -252,6 +252,34 @@ def test_a_layer_filled_by_several_loader_threads_is_packed_once(monkeypatch):
         sys.setswitchinterval(interval)
 
 
+def test_fp8_experts_staged_at_the_checkpoints_size_and_rank_slices_of_whole_blocks(monkeypatch):
+    """The staging holds the checkpoint's intermediate size (SGLang's CPU engine pads its config's), with partial
+    edge blocks of FP8 scales at one rank; a TP rank's slice that would split a scale block is refused, naming the
+    sizes."""
+    from types import SimpleNamespace
+
+    from kt_serve.sglang_plugin import experts as plugin_experts
+
+    monkeypatch.setattr(plugin_experts, "get_registry", lambda: SimpleNamespace())
+    config = SimpleNamespace(activation="silu", is_gated=True, apply_router_weight_on_input=False)
+
+    def staged(checkpoint_i, sglang_i, ranks):
+        monkeypatch.setattr(plugin_experts, "checkpoint_moe_intermediate_size", lambda: checkpoint_i)
+        layer = SimpleNamespace(layer_id=3, moe_tp_rank=ranks - 1, moe_tp_size=ranks, moe_runner_config=config)
+        layer.register_parameter = lambda name, param: setattr(layer, name, param)
+        plugin_experts.KTRoutedExpertsMethod(fp8_block=(128, 128)).create_weights(layer, 4, 192, sglang_i,
+                                                                                   torch.bfloat16)
+        return {name: tuple(getattr(layer, name).shape) for name in ("w13_weight", "w2_weight",
+                                                                     "w13_weight_scale_inv", "w2_weight_scale_inv")}
+
+    assert staged(160, 256, 1) == {"w13_weight": (4, 320, 192), "w2_weight": (4, 192, 160),
+                                   "w13_weight_scale_inv": (4, 4, 2), "w2_weight_scale_inv": (4, 2, 2)}
+    assert staged(512, 256, 2)["w2_weight"] == (4, 192, 256)
+    with pytest.raises(ValueError, match=r"^kt_serve: MoE layer 3: intermediate size 384 over --tp-size 2 is 192 a "
+                                         r"rank, not a multiple of the FP8 blocks \[128, 128\]"):
+        staged(384, 192, 2)
+
+
 class _YieldingSet(set):
     def add(self, item):
         super().add(item)

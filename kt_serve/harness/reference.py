@@ -247,3 +247,27 @@ class HFReference:
                 first_tie = min(first_tie, int(ties[0]))
         logp = torch.log_softmax(logits, dim=-1)
         return [float(logp[i - 1, ids[i]]) for i in range(start, len(ids))], first_tie
+
+
+def pick_prompts(ref: HFReference, adapter_sets, *, n: int, length: int, tie_margin: float, seed: int = 0,
+                 tries: int = 400) -> list[list[int]]:
+    """``n`` random prompts of ``length`` tokens whose reference routing has no near-tie (closer than
+    ``tie_margin``) under any of the adapter sets (lists of adapter dirs): past a near-tie a bf16 server may route
+    differently, so such a prompt would leave nothing to compare."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = []
+    for _ in range(tries):
+        prompt = torch.randint(3, 1000, (length,), generator=g).tolist()
+        if all(ref.logprobs_and_routing(prompt, 1, dirs, tie_margin=tie_margin)[1] >= length for dirs in adapter_sets):
+            prompts.append(prompt)
+            if len(prompts) == n:
+                return prompts
+    raise RuntimeError(f"{tries} random prompts gave {len(prompts)} of {n} without a routing near-tie")
+
+
+def compared_positions(ref: HFReference, prompt, ids, adapter_dirs, tie_margin: float):
+    """(positions of ``ids`` predicted before the reference's first routing near-tie, the reference's logprobs of
+    ``ids``, that first near-tie's position): what a served completion is compared on."""
+    want, first_tie = ref.logprobs_and_routing(prompt + ids, len(prompt), adapter_dirs, tie_margin=tie_margin)
+    keep = [i for i in range(min(len(ids), len(want))) if len(prompt) + i - 1 < first_tie]
+    return keep, want, first_tie

@@ -161,6 +161,18 @@ class SGLangServer:
             except json.JSONDecodeError:
                 return e.code, {"error": body.decode(errors="replace")}
 
+    def greedy(self, model: str, prompt: list[int], max_tokens: int, *, ignore_eos: bool = False,
+               timeout: float = 120.0) -> tuple[list[int], list[float]]:
+        """A greedy completion through the official openai client: (token ids, per-token logprobs)."""
+        import openai
+
+        client = openai.OpenAI(base_url=self.base_url + "/v1", api_key="none", timeout=timeout, max_retries=0)
+        extra = {"return_token_ids": True, **({"ignore_eos": True} if ignore_eos else {})}
+        r = client.completions.create(model=str(model), prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                      logprobs=1, extra_body=extra)
+        choice = r.choices[0]
+        return list(choice.token_ids), list(choice.logprobs.token_logprobs)
+
     def get(self, path: str, timeout: float = 30.0) -> dict:
         with urllib.request.urlopen(self.base_url + path, timeout=timeout) as r:
             return json.loads(r.read() or b"{}")
