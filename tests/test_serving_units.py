@@ -78,6 +78,24 @@ def test_dense_dtype_refused_where_sglangs_own_kernels_run_the_dense_layers(monk
         "--kt-lm-head-dtype int4: --lora-target-modules lm_head q_proj puts LoRA on lm_head")
 
 
+@pytest.mark.parametrize("lm_head_dtype", ["bf16", "int8"])
+def test_lm_head_lora_from_the_start_up_adapters_refuses_a_quantized_lm_head(monkeypatch, lm_head_dtype):
+    """Target modules inferred from --lora-paths adapters can name lm_head too (SGLang then wraps it once LoRA is set
+    up, and its LoRA layer runs lm_head in bf16): a quantized lm_head is refused at start; bf16 is served."""
+    from types import SimpleNamespace
+
+    from kt_serve.sglang_plugin.cpu_host import linear
+
+    monkeypatch.setattr(linear, "get_config", lambda: KTServeConfig(lm_head_dtype=lm_head_dtype))
+    plain, wrapped = SimpleNamespace(lm_head_module=None), SimpleNamespace(lm_head_module=object())
+    assert linear.refuse_lora_on_quantized_lm_head("done", plain) == "done"
+    if lm_head_dtype == "bf16":
+        assert linear.refuse_lora_on_quantized_lm_head("done", wrapped) == "done"
+        return
+    with pytest.raises(ValueError, match=r"^--kt-lm-head-dtype int8: the LoRA target modules include lm_head"):
+        linear.refuse_lora_on_quantized_lm_head("done", wrapped)
+
+
 def test_torch_omp_spin_is_shortened_only_where_unset_and_kernel_on():
     env = {}
     KTServeConfig().export(env)

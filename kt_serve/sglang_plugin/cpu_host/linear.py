@@ -132,6 +132,16 @@ def compute_lm_head(original, processor, hidden_states, lm_head, embedding_bias=
     return logits
 
 
+def refuse_lora_on_quantized_lm_head(result, manager, *args, **kwargs):
+    """AFTER LoRAManager.init_lora_modules: where SGLang wrapped lm_head for LoRA (its target modules, from the flag or
+    the start-up adapters, name it), its LoRA layer runs lm_head in bf16: a quantized lm_head is refused at start."""
+    lm_head_dtype = get_config().lm_head_dtype
+    if lm_head_dtype != "bf16" and getattr(manager, "lm_head_module", None) is not None:
+        raise ValueError(f"--kt-lm-head-dtype {lm_head_dtype}: the LoRA target modules include lm_head, whose LoRA "
+                         "layer SGLang runs in bf16; serve adapters without lm_head LoRA or drop the flag")
+    return result
+
+
 def after_load_model(result, model_runner, *args, **kwargs):
     """AFTER ModelRunner.load_model (CPU host, --kt-cpu-ops on): pack the loaded model's dense layers."""
     config = get_config()
