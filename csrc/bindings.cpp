@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "common/checksum.h"
 #include "common/thread_pool.h"
 #include "isa/kernels.h"
 #include "moe/dropout.h"
@@ -58,8 +59,23 @@ PYBIND11_MODULE(_kernel, m) {
            py::arg("fp8") = false, py::arg("gate_scale") = 0, py::arg("gate_sstride") = 0, py::arg("up_scale") = 0,
            py::arg("up_sstride") = 0, py::arg("down_scale") = 0, py::arg("down_sstride") = 0, py::arg("block_n") = 128,
            py::arg("block_k") = 128)
+      .def(py::init([](int E, int H, int I, int max_tokens, int max_slots, const std::string& isa,
+                       const std::string& format, int group) {
+             const kt::Kernels& k = kt::select_kernels(isa.c_str());
+             return new kt::MoEExperts(E, H, I, kt::parse_format(format), group, max_tokens, max_slots, k);
+           }),
+           py::arg("num_experts"), py::arg("hidden"), py::arg("intermediate"), py::arg("max_tokens"),
+           py::arg("max_slots"), py::arg("isa"), py::arg("format"), py::arg("group"),
+           "Empty packed weights, filled through packed_regions (a packed-weight cache)")
       .def_property_readonly("format", [](const kt::MoEExperts& s) { return std::string(kt::format_name(s.format())); })
       .def_property_readonly("weight_bytes", &kt::MoEExperts::weight_bytes)
+      .def_property_readonly("group", &kt::MoEExperts::group)
+      .def("packed_regions",
+           [](kt::MoEExperts& s) {
+             std::vector<std::pair<uintptr_t, size_t>> out;
+             for (auto [p, n] : s.packed_regions()) out.emplace_back(reinterpret_cast<uintptr_t>(p), n);
+             return out;
+           })
       .def("dequantize",
            [](const kt::MoEExperts& s, int proj, uintptr_t out) {
              py::gil_scoped_release nogil;
@@ -323,6 +339,13 @@ PYBIND11_MODULE(_kernel, m) {
                        seg_lens ? &lora : nullptr);
            },
            "A Qwen3-MoE decoder stack's decode step in one call (csrc/ops/decode_stack.h).");
+  m.def(
+      "checksum",
+      [](uintptr_t p, size_t n) {
+        py::gil_scoped_release nogil;
+        return kt::checksum(ptr<const uint8_t>(p), n);
+      },
+      py::arg("address"), py::arg("nbytes"), "64-bit checksum of a byte range (common/checksum.h)");
   m.def("set_num_threads", &kt::set_num_threads, py::arg("n"),
         "Size of the global worker pool (caller included); n < 1 means the default (physical cores).");
   m.def("num_threads", [] { return kt::global_pool()->num_threads(); });

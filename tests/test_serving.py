@@ -259,7 +259,7 @@ def test_tensor_parallel_two_ranks(qwen3, server_q3):
 
 def packed_mib(log: str) -> dict:
     """(MoE layer, TP rank or None) -> (intermediate size held, MiB packed), from the plugin's log lines."""
-    found = re.findall(r"packed MoE layer (\d+) \(E=\d+, H=\d+, I=(\d+)(?:: TP rank (\d+)'s 1/\d+)?\) into the "
+    found = re.findall(r"MoE layer (\d+) \(E=\d+, H=\d+, I=(\d+)(?:: TP rank (\d+)'s 1/\d+)?\) in the "
                        r"kernel: .*?, ([\d.]+) MiB", log)
     return {(int(layer), int(rank) if rank else None): (int(i), float(mib)) for layer, i, rank, mib in found}
 

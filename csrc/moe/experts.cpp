@@ -53,7 +53,7 @@ MoEExperts::MoEExperts(int E, int H, int I, const ExpertWeights& w, Format fmt, 
                  const Kernels& kernels)
     : E_(E), H_(H), I_(I), max_tokens_(max_tokens), k_(kernels) {
   if (E < 1 || H < 1 || I < 1) fail("num_experts, hidden and intermediate sizes must be >= 1");
-  if (max_slots < 1) fail("max_slots must be >= 1");
+  if (max_slots < 1) fail("max_slots must be >= 1");  // before packing: a bad argument costs no minutes
   if (!w.gate || !w.up || !w.down) fail("gate, up and down weights are required");
   if (w.fp8) {
     if (!w.gate_scale || !w.up_scale || !w.down_scale) fail("fp8 weights need their block scales");
@@ -66,8 +66,33 @@ MoEExperts::MoEExperts(int E, int H, int I, const ExpertWeights& w, Format fmt, 
   pack_matrix(gate_, "gate_proj", w, w.gate, w.gate_estride, w.gate_scale, w.gate_sstride);
   pack_matrix(up_, "up_proj", w, w.up, w.up_estride, w.up_scale, w.up_sstride);
   pack_matrix(down_, "down_proj", w, w.down, w.down_estride, w.down_scale, w.down_sstride);
+  init_slots(max_slots);
+}
+
+MoEExperts::MoEExperts(int E, int H, int I, Format fmt, int group, int max_tokens, int max_slots, const Kernels& kernels)
+    : E_(E), H_(H), I_(I), max_tokens_(max_tokens), k_(kernels) {
+  if (E < 1 || H < 1 || I < 1) fail("num_experts, hidden and intermediate sizes must be >= 1");
+  gate_.init(E, I, H, fmt, group);
+  up_.init(E, I, H, fmt, group);
+  down_.init(E, H, I, fmt, group);
+  init_slots(max_slots);
+}
+
+void MoEExperts::init_slots(int max_slots) {
+  if (max_slots < 1) fail("max_slots must be >= 1");
   slots_.resize(max_slots);
   grads_.resize(max_slots);
+}
+
+std::vector<std::pair<uint8_t*, size_t>> MoEExperts::packed_regions() {
+  std::vector<std::pair<uint8_t*, size_t>> out;
+  for (PackedWeights* W : {&gate_, &up_, &down_})
+    out.emplace_back(W->data.data(), static_cast<size_t>(W->E) * W->nblocks * W->layout.block_bytes());
+  for (PackedWeights* W : {&gate_, &up_, &down_})
+    if (W->layout.fmt != Format::bf16)
+      out.emplace_back(reinterpret_cast<uint8_t*>(W->scales.data()),
+                       static_cast<size_t>(W->E) * W->nblocks * W->layout.block_scales() * sizeof(float));
+  return out;
 }
 
 MoEExperts::~MoEExperts() = default;

@@ -56,6 +56,10 @@ class MoEExperts {
   // fp8 packed from bf16 (a multiple of 64).
   MoEExperts(int num_experts, int hidden, int intermediate, const ExpertWeights& weights, Format format, int group,
           int max_tokens, int max_slots, const Kernels& kernels);
+  // Packed weights left empty (zero) in `format` with `group` (the packed layout's: fp8 from a checkpoint packs
+  // with its K block), to be filled through packed_regions() from a packed-weight cache.
+  MoEExperts(int num_experts, int hidden, int intermediate, Format format, int group, int max_tokens, int max_slots,
+             const Kernels& kernels);
   ~MoEExperts();
 
   int num_experts() const { return E_; }
@@ -67,6 +71,10 @@ class MoEExperts {
   // The weights the kernel computes with, dequantized: proj 0 gate, 1 up [E, I, H]; 2 down [E, H, I], fp32.
   void dequantize(int proj, float* out) const;
   size_t weight_bytes() const { return gate_.bytes() + up_.bytes() + down_.bytes(); }  // packed forward weights
+  int group() const { return gate_.layout.group; }  // K values per scale group of the packed layout
+  // The packed weights' bytes, what a packed-weight cache stores: gate, up, down values, then their scales where the
+  // format has them, each as (address, bytes) — the format's layout (weights/weight_format.h), not the allocation.
+  std::vector<std::pair<uint8_t*, size_t>> packed_regions();
 
   void set_adapter(int slot, int rank, float alpha, const bf16* gate_a, const bf16* gate_b, const bf16* up_a,
                    const bf16* up_b, const bf16* down_a, const bf16* down_b);
@@ -88,6 +96,7 @@ class MoEExperts {
 
  private:
   void check_slot(int slot) const;
+  void init_slots(int max_slots);
 
   const int E_, H_, I_, max_tokens_;
   const Kernels& k_;

@@ -25,9 +25,12 @@ ST_DTYPES = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL",
 }
+if hasattr(torch, "float8_e4m3fn"):  # FP8 checkpoints (DeepSeek-V3, Qwen3-FP8)
+    ST_DTYPES[torch.float8_e4m3fn] = "F8_E4M3"
 TORCH_DTYPES = {name: dtype for dtype, name in ST_DTYPES.items()}
 # save_file lays tensors out by dtype, widest first (the Rust Dtype enum, descending), then by name.
-_ST_DTYPE_ORDER = ("U64", "I64", "F64", "F32", "U32", "I32", "BF16", "F16", "U16", "I16", "I8", "U8", "BOOL")
+_ST_DTYPE_ORDER = ("U64", "I64", "F64", "F32", "U32", "I32", "BF16", "F16", "U16", "I16", "F8_E4M3", "I8", "U8",
+                   "BOOL")
 
 
 class TensorFile:
@@ -161,6 +164,42 @@ def save_tensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapp
         writer.abort()
         raise
     writer.close()
+
+
+def read_header(path: Path, fd: int | None = None) -> tuple[dict, int]:
+    """A safetensors file's header (tensor entries and ``__metadata__``) and the offset its data starts at, read
+    without mapping the file; the tensors' ``data_offsets`` are relative to that offset."""
+    own = fd is None
+    if own:
+        fd = os.open(path, os.O_RDONLY)
+    try:
+        raw = os.pread(fd, 8, 0)
+        size = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
+        if not 2 <= size <= 100 << 20:
+            raise FormatError(Path(path), "not a safetensors file (header size unreadable)")
+        text = os.pread(fd, size, 8)
+        header = json.loads(text) if len(text) == size else None
+    except (ValueError, UnicodeDecodeError):
+        header = None
+    finally:
+        if own:
+            os.close(fd)
+    if not isinstance(header, dict):
+        raise FormatError(Path(path), "not a safetensors file (header is not a JSON object)")
+    return header, 8 + size
+
+
+def pread_into(fd: int, buffer: torch.Tensor, offset: int) -> int:
+    """Reads ``buffer.nbytes`` bytes at ``offset`` of ``fd`` into a contiguous CPU tensor (no mapping, no extra
+    copy); returns how many it got (fewer at the end of the file)."""
+    view = memoryview(buffer.view(torch.uint8).reshape(-1).numpy())
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:done + (1 << 30)]], offset + done)
+        if got <= 0:
+            break
+        done += got
+    return done
 
 
 def write_json(path: Path, data: Mapping) -> None:

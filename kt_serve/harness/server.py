@@ -73,19 +73,21 @@ class SGLangServer:
     """Context manager around one SGLang server process tree.
 
     model_path: checkpoint dir; extra_args: further launch_server flags; device: "cpu" sets the CPU engine env;
-    max_total_tokens: KV-cache size (keep it small on CPU, else SGLang reserves most of the RAM); env: variables
+    max_total_tokens: KV-cache size (keep it small on CPU, else SGLang reserves most of the RAM; None: SGLang's
+    own sizing); env: variables
     for the server on top of this process's (None removes one).
     """
 
     def __init__(self, model_path, extra_args=(), *, device: str = "cpu", port: int | None = None,
-                 max_total_tokens: int = 2048, startup_timeout: float = 300.0, log_path=None,
+                 max_total_tokens: int | None = 2048, startup_timeout: float = 300.0, log_path=None,
                  env: dict[str, str | None] | None = None, python: str = sys.executable, cwd=None):
         self.model_path = str(model_path)
         self._port_given = port is not None
         self.startup_timeout = startup_timeout
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="sglang_", suffix=".log")[1])
         self._base_cmd = [python, "-m", "sglang.launch_server", "--model-path", self.model_path,
-                          "--host", "127.0.0.1", "--device", device, "--max-total-tokens", str(max_total_tokens),
+                          "--host", "127.0.0.1", "--device", device,
+                          *(["--max-total-tokens", str(max_total_tokens)] if max_total_tokens else []),
                           *map(str, extra_args)]
         self._use_port(port or free_port())
         self.env = cpu_env() if device == "cpu" else dict(os.environ)

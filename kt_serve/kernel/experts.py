@@ -30,7 +30,7 @@ import torch
 
 from kt_serve import _kernel
 from kt_serve.formats.names import KT_TENSOR_NAMES, kt_shapes
-from kt_serve.kernel.weights import as_bf16, expect, prepare
+from kt_serve.kernel.weights import as_bf16, check_format, expect, prepare
 
 # ExpertLoRA's fields, in KT_TENSOR_NAMES order.
 LORA_FIELDS = ("gate_a", "gate_b", "up_a", "up_b", "down_a", "down_b")
@@ -167,12 +167,28 @@ class MoEExperts:
             raise TypeError(f"MoEExperts: unexpected argument(s) {sorted(unknown)}")
         w = prepare(gate_proj, up_proj, down_proj, gate_up_proj, weight_format=weight_format, group_size=group_size,
                     **scales)
-        E, H, I = w.E, w.H, w.I
         # the C++ object (csrc); other kernel calls that take this one read it here
-        self.native = _kernel.MoEExperts(E, H, I, max_tokens=int(max_tokens), max_slots=int(max_slots), isa=isa,
-                                         format=weight_format, group=int(group_size), **w.args)
-        del w  # packed copies live in the kernel now
-        self.num_experts, self.hidden_size, self.intermediate_size = E, H, I
+        native = _kernel.MoEExperts(w.E, w.H, w.I, max_tokens=int(max_tokens), max_slots=int(max_slots), isa=isa,
+                                    format=weight_format, group=int(group_size), **w.args)
+        self._adopt(native, w.E, w.H, w.I, max_tokens, max_slots)  # packed copies live in the kernel now
+
+    @classmethod
+    def empty(cls, num_experts: int, hidden: int, intermediate: int, *, weight_format: str, group_size: int,
+              max_tokens: int = 65536, max_slots: int = 64, isa: str = "auto") -> "MoEExperts":
+        """Experts whose packed weights are zero, to be filled through :meth:`packed_regions` (a packed-weight
+        cache, kernel/weight_cache.py). ``group_size``: the packed layout's (:attr:`group_size`)."""
+        check_format(weight_format, group_size if weight_format in ("int4", "fp8") else 128)  # others: no groups
+        if max_tokens < 1 or max_slots < 1:
+            raise ValueError("max_tokens and max_slots must be >= 1")
+        self = cls.__new__(cls)
+        native = _kernel.MoEExperts(int(num_experts), int(hidden), int(intermediate), max_tokens=int(max_tokens),
+                                    max_slots=int(max_slots), isa=isa, format=weight_format, group=int(group_size))
+        self._adopt(native, num_experts, hidden, intermediate, max_tokens, max_slots)
+        return self
+
+    def _adopt(self, native, E: int, H: int, I: int, max_tokens: int, max_slots: int) -> None:
+        self.native = native
+        self.num_experts, self.hidden_size, self.intermediate_size = int(E), int(H), int(I)
         self.max_tokens, self.max_slots = int(max_tokens), int(max_slots)
         # slot -> rank of the adapter there: the kernel holds the only copy of its tensors
         self._ranks: dict[int, int] = {}
@@ -188,6 +204,19 @@ class MoEExperts:
     @property
     def weight_format(self) -> str:
         return self.native.format
+
+    @property
+    def group_size(self) -> int:
+        """K values per scale group of the packed layout (an FP8 checkpoint packed as fp8: its K block)."""
+        return int(self.native.group)
+
+    def packed_regions(self) -> list:
+        """The packed weights' bytes as uint8 tensors over the kernel's memory (no copy; valid while this object
+        lives): gate, up, down values, then their scales where the format has them."""
+        import ctypes
+
+        return [torch.frombuffer((ctypes.c_uint8 * n).from_address(address), dtype=torch.uint8) if n else
+                torch.empty(0, dtype=torch.uint8) for address, n in self.native.packed_regions()]
 
     @property
     def weight_bytes(self) -> int:

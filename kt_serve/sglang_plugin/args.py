@@ -56,6 +56,12 @@ FLAGS = [
           help="kt_serve: with --kt-cpu-ops on a CPU host without AMX, quantize the packed lm_head at load: int8 per "
                "channel, int4 per group of --kt-expert-group-size (default: bf16). With a 150k-250k vocabulary it is "
                "read whole every decode step")),
+    ("--kt-weight-cache", "weight_cache",
+     dict(default="auto", help="kt_serve: packed-weight cache of the routed experts: the first start writes each MoE "
+                               "layer as the kernel packed it (format and group size included), later starts read it "
+                               "instead of the checkpoint's experts (no quantization); a stale or corrupt file is "
+                               "rebuilt. A directory, 'auto' (default: $KT_SERVE_CACHE/packed_experts, else "
+                               "~/.cache/kt_serve/packed_experts) or 'off'")),
     ("--kt-lora-cache-dir", "lora_cache_dir",
      dict(default=None, help="kt_serve: where composite adapters are split (default: a per-user temp dir)")),
     ("--kt-lora-dir", "lora_dir",
@@ -160,6 +166,14 @@ def from_cli_args_hook(server_args, *args, **kwargs):
     message = message or unpacked_dense_layers(config, server_args)
     if message:
         raise SystemExit(message)
+    if config.enabled:
+        from .memory import check_fits
+
+        message, reserve = check_fits(server_args, config, getattr(namespace_of(args, kwargs), "mem_fraction_static",
+                                                                    None))
+        if message:
+            raise SystemExit(message)
+        config = dataclasses.replace(config, kv_reserve_bytes=reserve)
     config.export()
     compat.split_cores_between_ranks(server_args)
     if config.enabled:

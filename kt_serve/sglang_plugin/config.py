@@ -93,6 +93,10 @@ class KTServeConfig:
     dense_dtype: str = "bf16"
     # format of the packed lm_head: bf16, or int8 / int4 quantized at load
     lm_head_dtype: str = "bf16"
+    # packed-weight cache of the routed experts: a directory, auto (under $KT_SERVE_CACHE or ~/.cache/kt_serve) or off
+    weight_cache: str = "auto"
+    # set by the launcher on a CPU-only host (memory.py): what the KV pool sizing holds back (0: SGLang's fraction)
+    kv_reserve_bytes: int = 0
 
     def __post_init__(self):
         if self.moe not in ("on", "off"):

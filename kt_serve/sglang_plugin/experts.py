@@ -25,7 +25,7 @@ from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
 from kt_serve.kernel.weights import fp8_blocks_kept
 
-from . import accelerator
+from . import accelerator, checkpoint
 from .adapters.registry import get_registry
 from .config import get_config, local_model_config
 
@@ -61,6 +61,7 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
         self.fp8_block = fp8_block
         self._loaded: set[tuple[int, str, bool]] = set()
         self._loaded_lock = threading.Lock()  # DeepSeek's loader fills one layer from several threads
+        self.cache = None  # (file, LayerKey) of this layer in the packed-weight cache, where there is one
 
     @property
     def weight_format(self) -> str:
@@ -105,6 +106,30 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
             param = torch.nn.Parameter(t, requires_grad=False)
             param.weight_loader = self._weight_loader(layer)
             layer.register_parameter(name, param)
+        self._read_cache(layer)
+
+    # -- the packed-weight cache (kernel/weight_cache.py; checkpoint.py keys it and skips the cached tensors) -------
+    def _read_cache(self, layer) -> None:
+        from sglang.srt.runtime_context import get_server_args
+
+        model_dir = get_server_args().model_path
+        self.cache = checkpoint.layer_cache(model_dir, layer.layer_id, dict(
+            weight_format=self.weight_format, group_size=get_config().expert_group_size, shard=self.shard,
+            shape=self.shape))
+        if self.cache is None:
+            return
+        from kt_serve.kernel import weight_cache
+
+        _size_kernel_pool()
+        try:
+            experts = weight_cache.load(*self.cache, max_slots=self.adapters.experts.budget.kernel_slots)
+        except weight_cache.CacheMiss as miss:
+            if self.cache[0].exists():
+                logger.warning("kt_serve: packed-weight cache: MoE layer %d packed from the checkpoint again: %s",
+                               layer.layer_id, miss)
+            return
+        checkpoint.CACHED_LAYERS.add(model_dir, layer.layer_id)
+        self._install(layer, experts, f"read from the packed-weight cache {self.cache[0].parent}")
 
     def _weight_loader(self, layer):
         def load(param, loaded_weight, weight_name=None, shard_id=None, expert_id=None, *args, **kwargs):
@@ -125,6 +150,8 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
             if tuple(target.shape) != tuple(loaded_weight.shape):
                 raise ValueError(f"kt_serve: MoE layer {layer.layer_id}: {weight_name} has shape "
                                  f"{tuple(loaded_weight.shape)}, expected {tuple(target.shape)}")
+            if self.experts is not None:  # read from the cache: a loader that does not skip its tensors
+                return
             target.copy_(loaded_weight)
             with self._loaded_lock:  # the tensor completing the layer packs it, once, whichever thread brings it
                 self._loaded.add((expert_id, shard_id, scale))
@@ -157,20 +184,31 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
                 del weights["gate_up_proj"], weights["gate_up_scale_inv"]
                 weights.update(gate_proj=w13[:, :I].contiguous(), up_proj=w13[:, I:].contiguous(),
                                gate_scale_inv=s13[:, :rows].contiguous(), up_scale_inv=s13[:, rows:].contiguous())
-        self.experts = MoEExperts(down_proj=layer.w2_weight.data, **weights,
-                                  max_slots=self.adapters.experts.budget.kernel_slots,
-                                  weight_format=self.weight_format, group_size=config.expert_group_size)
-        # the kernel holds its own packed copy now: release SGLang's
+        experts = MoEExperts(down_proj=layer.w2_weight.data, **weights,
+                             max_slots=self.adapters.experts.budget.kernel_slots,
+                             weight_format=self.weight_format, group_size=config.expert_group_size)
+        self._loaded.clear()
+        self._install(layer, experts, f"packed from a {'fp8' if self.fp8_block else 'bf16'} checkpoint")
+        if self.cache is not None:
+            from kt_serve.kernel import weight_cache
+
+            try:
+                weight_cache.store(self.cache[0], experts, self.cache[1])
+            except OSError as exc:  # the cache saves time only: serve without it, saying why
+                logger.warning("kt_serve: packed-weight cache: MoE layer %d not written to %s: %s", layer.layer_id,
+                               self.cache[0], exc)
+
+    def _install(self, layer, experts, origin: str) -> None:
+        self.experts = experts
+        # the kernel holds its own packed copy now: release SGLang's staging
         for name in ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv"):
             if hasattr(layer, name):
                 getattr(layer, name).data = torch.empty(0)
-        self._loaded.clear()
-        self.adapters.experts.add_layer(layer.layer_id, self.experts)
+        self.adapters.experts.add_layer(layer.layer_id, experts)
         rank, ranks = self.shard
-        logger.info("kt_serve: packed MoE layer %d (E=%d, H=%d, I=%d%s) into the kernel: %s experts from a %s "
-                    "checkpoint, %.2f MiB (isa %s)", layer.layer_id, *self.shape,
-                    f": TP rank {rank}'s 1/{ranks}" if ranks > 1 else "", self.experts.weight_format,
-                    "fp8" if self.fp8_block else "bf16", self.experts.weight_bytes / 2**20, self.experts.isa)
+        logger.info("kt_serve: MoE layer %d (E=%d, H=%d, I=%d%s) in the kernel: %s experts %s, %.2f MiB (isa %s)",
+                    layer.layer_id, *self.shape, f": TP rank {rank}'s 1/{ranks}" if ranks > 1 else "",
+                    experts.weight_format, origin, experts.weight_bytes / 2**20, experts.isa)
 
     def process_weights_after_loading(self, layer) -> None:
         if self.experts is None:

@@ -40,6 +40,8 @@ DEEPSEEK_ATTENTION = "sglang.srt.models.deepseek_common.attention_backend_handle
 TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 INTERNAL_STATE = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
 DEEPSEEK_WEIGHT_LOADER = "sglang.srt.models.deepseek_common.deepseek_weight_loader.DeepseekV2WeightLoaderMixin"
+WEIGHT_UTILS = "sglang.srt.model_loader.weight_utils"
+KV_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 
 
 def register_hooks() -> None:
@@ -77,9 +79,11 @@ def register_hooks() -> None:
 def _register_cpu_host_hooks(hook) -> None:
     """A CPU-only host's scheduler: SGLang's missing CPU ops, and (--kt-cpu-ops) its dense path on our kernel."""
     from .cpu_host import attention, compat, linear, moe_block
+    from .memory import size_kv_pool
     from .models import deepseek_mla, qwen35
 
     compat.disable_pin_memory()
+    hook(f"{KV_CONFIGURATOR}._profile_available_bytes", size_kv_pool, "AROUND")
     attention.register_backend()
     config = get_config()
     if config.cpu_ops_enabled:
@@ -140,9 +144,11 @@ def _register_adapter_hooks(hook) -> None:
 def _register_expert_hooks(hook) -> None:
     """--kt-moe on: routed experts in the kernel, expert adapters in its slots."""
     from .adapters import manager_hooks
-    from . import experts
+    from . import checkpoint, experts
 
     hook(f"{RUNTIME_CONTEXT}.publish", experts.keep_shared_experts_separate, "AFTER")
+    for iterator in ("safetensors_weights_iterator", "buffered_multi_thread_safetensors_weights_iterator"):
+        hook(f"{WEIGHT_UTILS}.{iterator}", checkpoint.replace_safetensors_iterator, "AROUND")
     hook(f"{FUSED_MOE}.__init__", experts.fused_moe_init, "BEFORE")
     hook(f"{MODEL_RUNNER}.load_model", experts.set_routed_scales, "AFTER")
     hook(f"{MODEL_RUNNER}.load_model", experts.check_global_adapter, "AFTER")

@@ -1,0 +1,151 @@
+"""Reading the served checkpoint: tensor by tensor within the memory the packed model needs, without the expert
+tensors of layers the packed-weight cache (kernel/weight_cache.py) already holds.
+
+SGLang's default safetensors loader reads whole shard files in a thread pool ("peak CPU RAM ≈ (max_workers + 2) ×
+shard_file_size"), or maps each file, so its touched pages count in the process's RSS until the file is done: on a
+whole model that is gigabytes above what the packed model keeps. With ``--kt-moe on`` both iterators are replaced by
+:func:`checkpoint_tensors`, which reads one tensor at a time with ``pread`` (in file order) into a tensor SGLang's
+weight loader copies and drops: the only checkpoint bytes resident are the tensor at hand and the MoE layer being
+staged (experts.py packs each layer as soon as it is complete and releases its staging).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+
+from kt_serve.formats.checkpoint import expert_layer, tensor_entries
+from kt_serve.formats.safetensors_io import TORCH_DTYPES, pread_into, read_header
+from kt_serve.kernel import weight_cache
+
+from .config import get_config
+
+logger = logging.getLogger(__name__)
+
+
+
+class _CachedLayers:
+    """Per checkpoint directory, the MoE layers whose experts came from the cache: their checkpoint tensors are
+    not read. Filled while the model is built (create_weights), read while its weights are iterated."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._layers: dict[str, set[int]] = {}
+
+    def add(self, model_dir: str, layer_id: int) -> None:
+        with self._lock:
+            self._layers.setdefault(os.path.realpath(model_dir), set()).add(int(layer_id))
+
+    def of(self, model_dir: str) -> frozenset:
+        with self._lock:
+            return frozenset(self._layers.get(os.path.realpath(model_dir), ()))
+
+
+CACHED_LAYERS = _CachedLayers()
+
+
+def checkpoint_tensors(files, *args, **kwargs):
+    """(name, tensor) of every tensor of ``files`` (safetensors), one read at a time in file order; the expert
+    tensors of cached layers skipped. Takes (and ignores) the options of the SGLang iterators it stands in for."""
+    for path in files:
+        skip = CACHED_LAYERS.of(os.path.dirname(path))
+        header, data_start = read_header(path)
+        header.pop("__metadata__", None)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+                if skip and expert_layer(name) in skip:
+                    continue
+                dtype = TORCH_DTYPES.get(entry["dtype"])
+                if dtype is None:
+                    raise ValueError(f"{path}: tensor {name} has dtype {entry['dtype']}, which the kt_serve loader "
+                                     f"does not read (expected one of {', '.join(TORCH_DTYPES)})")
+                tensor = torch.empty(entry["shape"], dtype=dtype)
+                begin, end = entry["data_offsets"]
+                if end - begin != tensor.nbytes or pread_into(fd, tensor, data_start + begin) != tensor.nbytes:
+                    raise ValueError(f"{path}: tensor {name} is truncated or its header is inconsistent "
+                                     f"({end - begin} bytes at {data_start + begin}, shape {entry['shape']})")
+                yield name, tensor
+        finally:
+            os.close(fd)
+
+
+def replace_safetensors_iterator(original, hf_weights_files, *args, **kwargs):
+    """AROUND SGLang's safetensors iterators in its model loader (hooks.py): ours instead."""
+    return checkpoint_tensors(hf_weights_files)
+
+
+# -- the packed-weight cache of this checkpoint ---------------------------------------------------------------------
+def cache_root() -> Path | None:
+    """--kt-weight-cache: a directory, 'auto' (default: under $KT_SERVE_CACHE or ~/.cache/kt_serve) or 'off'."""
+    value = get_config().weight_cache
+    if value == "off":
+        return None
+    return weight_cache.default_root() if value == "auto" else Path(value)
+
+
+def layer_cache(model_dir: str, layer_id: int, key_fields: dict):
+    """(file, LayerKey) of one MoE layer's packed experts, or None where there is no cache (off, or the checkpoint's
+    expert tensors are not found by name: the layer is then always packed from the checkpoint)."""
+    root = cache_root()
+    sources = expert_sources(os.path.realpath(model_dir)) if root is not None else {}
+    source = sources.get(int(layer_id))
+    if source is None:
+        return None
+    key = weight_cache.LayerKey(source=source, **key_fields)
+    rank, ranks = key.shard
+    where = _model_cache_dir(root, os.path.realpath(model_dir))
+    return where / f"{key.weight_format}-g{key.group_size}-tp{rank}of{ranks}" / f"layer_{int(layer_id):04d}.safetensors", key
+
+
+_pruned = set()
+
+
+def _model_cache_dir(root: Path, model_dir: str) -> Path:
+    """One directory per checkpoint path; on first use in a process, the directories of checkpoints that no longer
+    exist are removed (a cache must not grow without bound as models come and go)."""
+    digest = hashlib.sha256(model_dir.encode()).hexdigest()[:16]
+    where = root / f"{Path(model_dir).name}-{digest}"
+    if root not in _pruned:
+        _pruned.add(root)
+        for entry in root.glob("*/source.json") if root.is_dir() else ():
+            try:
+                gone = not os.path.isdir(json.loads(entry.read_text())["model_path"])
+            except (OSError, ValueError, KeyError, TypeError):
+                gone = False
+            if gone:
+                shutil.rmtree(entry.parent, ignore_errors=True)
+    if not (where / "source.json").exists():
+        where.mkdir(parents=True, exist_ok=True)
+        (where / "source.json").write_text(json.dumps({"model_path": model_dir}) + "\n")
+    return where
+
+
+_sources: dict[str, dict[int, str]] = {}
+_sources_lock = threading.Lock()
+
+
+def expert_sources(model_dir: str) -> dict[int, str]:
+    """Per decoder layer, a digest of its routed expert tensors as the checkpoint holds them: their names, dtypes,
+    shapes and offsets, and each holding file's name, size and modification time. Read from the headers only."""
+    with _sources_lock:
+        if model_dir not in _sources:
+            stats = {path.name: path.stat() for path in Path(model_dir).glob("*.safetensors")}
+            entries: dict[int, list] = {}
+            for e in tensor_entries(model_dir):
+                layer = expert_layer(e.name)
+                if layer is not None:
+                    stat = stats[e.file]
+                    entries.setdefault(layer, []).append((e.name, e.dtype, e.shape, e.offsets, e.file, stat.st_size,
+                                                          stat.st_mtime_ns))
+            _sources[model_dir] = {layer: hashlib.sha256(json.dumps(sorted(items)).encode()).hexdigest()
+                                   for layer, items in entries.items()}
+        return _sources[model_dir]
