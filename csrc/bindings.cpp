@@ -346,8 +346,9 @@ PYBIND11_MODULE(_kernel, m) {
         return kt::checksum(ptr<const uint8_t>(p), n);
       },
       py::arg("address"), py::arg("nbytes"), "64-bit checksum of a byte range (common/checksum.h)");
-  m.def("set_num_threads", &kt::set_num_threads, py::arg("n"),
-        "Size of the global worker pool (caller included); n < 1 means the default (physical cores).");
+  m.def("set_num_threads", &kt::set_num_threads, py::arg("n"), py::arg("cpus") = std::vector<int>{},
+        "Size of the global worker pool (caller included); n < 1 means the default (physical cores, or one per "
+        "listed CPU). cpus: pin worker i to cpus[i % len(cpus)] (the caller stays where it is).");
   m.def("num_threads", [] { return kt::global_pool()->num_threads(); });
   m.def("set_idle_spin_us", &kt::set_idle_spin_us, py::arg("us"),
         "How long workers poll for the next call before they sleep, in microseconds (0: at once).");

@@ -215,9 +215,8 @@ def _dense_bytes(e, fmt: str, options: ServeOptions) -> float:
 def suggestions(model_dir, options: ServeOptions, available: int) -> list[str]:
     """Flags that would fit, smallest change first: cheaper expert / dense / lm_head formats, then a KV cap."""
     out = []
-    order = ["auto", "fp8", "int8", "int4"]
-    start = order.index(options.expert_dtype) if options.expert_dtype in order else 0
-    for expert in order[start + 1:]:
+    cheaper = {"int8": ["int4"], "int4": []}.get(options.expert_dtype, ["int8", "int4"])
+    for expert in cheaper:
         for dense in DENSE_FORMATS[DENSE_FORMATS.index(options.dense_dtype):]:
             if dense != "bf16" and not options.cpu_ops:
                 continue

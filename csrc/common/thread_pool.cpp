@@ -54,9 +54,20 @@ int idle_spin_us() {
   return us;
 }
 
-ThreadPool::ThreadPool(int num_threads) {
+ThreadPool::ThreadPool(int num_threads, const std::vector<int>& cpus) {
   idle_spin_us();  // a bad KT_SERVE_IDLE_SPIN_US fails here, in the call that makes the pool, not in a worker
-  for (int i = 1; i < num_threads; ++i) workers_.emplace_back([this] { worker_loop(); });
+  for (int i = 1; i < num_threads; ++i)
+    workers_.emplace_back([this, cpu = cpus.empty() ? -1 : cpus[i % cpus.size()]] {
+      if (cpu >= 0) {
+        // Pinned: a worker inherits its creator's CPU mask, which SGLang's CPU engine narrows to one core for the
+        // OpenMP master; and the pages a worker packs are then placed on that core's NUMA node (first touch).
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(cpu, &set);
+        sched_setaffinity(0, sizeof(set), &set);
+      }
+      worker_loop();
+    });
 }
 
 ThreadPool::~ThreadPool() {
@@ -188,11 +199,11 @@ std::shared_ptr<ThreadPool> global_pool() {
   return g_pool;
 }
 
-void set_num_threads(int n) {
-  if (n < 1) n = default_num_threads();
+void set_num_threads(int n, const std::vector<int>& cpus) {
+  if (n < 1) n = cpus.empty() ? default_num_threads() : static_cast<int>(cpus.size());
   std::lock_guard<std::mutex> lk(g_pool_mutex);
-  if (g_pool && g_pool->num_threads() == n) return;
-  g_pool = std::make_shared<ThreadPool>(n);  // calls in flight keep the old pool alive
+  if (g_pool && g_pool->num_threads() == n && cpus.empty()) return;
+  g_pool = std::make_shared<ThreadPool>(n, cpus);  // calls in flight keep the old pool alive
 }
 
 }  // namespace kt

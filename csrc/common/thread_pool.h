@@ -16,7 +16,8 @@ namespace kt {
 
 class ThreadPool {
  public:
-  explicit ThreadPool(int num_threads);
+  // cpus: where worker i runs (cpus[i % size]; the caller, thread 0, is not moved), or empty: not pinned.
+  explicit ThreadPool(int num_threads, const std::vector<int>& cpus = {});
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
@@ -71,9 +72,10 @@ class ThreadPool {
   std::exception_ptr error_;
 };
 
-// The process-wide pool; resized by set_num_threads (default: physical cores available to this process).
+// The process-wide pool; resized by set_num_threads (default: physical cores available to this process), its
+// workers pinned to `cpus` when given (n < 1: one thread per listed CPU).
 std::shared_ptr<ThreadPool> global_pool();
-void set_num_threads(int n);
+void set_num_threads(int n, const std::vector<int>& cpus = {});
 // How long workers poll for the next job after one ends, in µs (0: they sleep at once), for every pool of the
 // process; the default is KT_SERVE_IDLE_SPIN_US, else 1000.
 void set_idle_spin_us(int us);

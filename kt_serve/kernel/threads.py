@@ -23,9 +23,10 @@ def share_cores_with_torch(environ=os.environ) -> None:
         environ[TORCH_OMP_SPIN[0]] = TORCH_OMP_SPIN[1]
 
 
-def set_num_threads(n: int) -> None:
-    """Size of the kernel's worker pool, the calling thread included (default: physical cores)."""
-    _kernel.set_num_threads(int(n))
+def set_num_threads(n: int, cpus=()) -> None:
+    """Size of the kernel's worker pool, the calling thread included (n < 1: physical cores, or one per CPU in
+    ``cpus``); with ``cpus``, worker i runs on cpus[i % len(cpus)] only (the caller is not moved)."""
+    _kernel.set_num_threads(int(n), [int(c) for c in cpus])
 
 
 def num_threads() -> int:

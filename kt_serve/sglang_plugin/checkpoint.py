@@ -6,11 +6,13 @@ shard_file_size"), or maps each file, so its touched pages count in the process'
 whole model that is gigabytes above what the packed model keeps. With ``--kt-moe on`` both iterators are replaced by
 :func:`checkpoint_tensors`, which reads one tensor at a time with ``pread`` (in file order) into a tensor SGLang's
 weight loader copies and drops: the only checkpoint bytes resident are the tensor at hand and the MoE layer being
-staged (experts.py packs each layer as soon as it is complete and releases its staging).
+staged (experts.py packs each layer as soon as it is complete and releases its staging), at most two layers
+(``IN_FLIGHT``) where a threaded loader packs while the reader runs on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from kt_serve.formats.checkpoint import expert_layer, tensor_entries
+from kt_serve.formats.checkpoint import LAYER_TENSOR, expert_layer, tensor_entries
 from kt_serve.formats.safetensors_io import TORCH_DTYPES, pread_into, read_header
 from kt_serve.kernel import weight_cache
 
@@ -51,6 +53,48 @@ class _CachedLayers:
 CACHED_LAYERS = _CachedLayers()
 
 
+class _LayersInFlight:
+    """MoE layers whose expert tensors the reader has handed out but whose packing has not finished.
+
+    SGLang's DeepSeek loader hands every CPU tensor to a thread pool and reads on: while one worker packs a layer
+    (seconds of quantization), the reader would run ahead and the pool's queue and the staging buffers would hold
+    layer after layer of checkpoint tensors. So the reader waits before a new layer's first tensor while ``limit``
+    layers are in flight and a pack is running (it finishes, and frees its layer, without the reader). A loader
+    that packs on the reading thread never waits: no pack runs while it reads.
+    """
+
+    def __init__(self, limit: int = 2):
+        self.limit = limit
+        self._cond = threading.Condition()
+        self._open: set[int] = set()
+        self._packing = 0
+        self.peak = 0
+
+    def admit(self, layer: int) -> None:
+        with self._cond:
+            if layer in self._open:
+                return
+            while len(self._open) >= self.limit and self._packing:
+                self._cond.wait()
+            self._open.add(layer)
+            self.peak = max(self.peak, len(self._open))
+
+    @contextlib.contextmanager
+    def packing(self, layer: int):
+        with self._cond:
+            self._packing += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._packing -= 1
+                self._open.discard(layer)
+                self._cond.notify_all()
+
+
+IN_FLIGHT = _LayersInFlight()
+
+
 def checkpoint_tensors(files, *args, **kwargs):
     """(name, tensor) of every tensor of ``files`` (safetensors), one read at a time in file order; the expert
     tensors of cached layers skipped. Takes (and ignores) the options of the SGLang iterators it stands in for."""
@@ -61,9 +105,12 @@ def checkpoint_tensors(files, *args, **kwargs):
         fd = os.open(path, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
-                if skip and expert_layer(name) in skip:
-                    continue
+            for name, entry in sorted(header.items(), key=_layer_then_offset):
+                layer = expert_layer(name)
+                if layer is not None:
+                    if layer in skip:
+                        continue
+                    IN_FLIGHT.admit(layer)
                 dtype = TORCH_DTYPES.get(entry["dtype"])
                 if dtype is None:
                     raise ValueError(f"{path}: tensor {name} has dtype {entry['dtype']}, which the kt_serve loader "
@@ -76,6 +123,13 @@ def checkpoint_tensors(files, *args, **kwargs):
                 yield name, tensor
         finally:
             os.close(fd)
+
+
+def _layer_then_offset(item):
+    """Read order within a file: by decoder layer, then as stored, so a layer's experts arrive together even in a
+    file that interleaves layers (each staged layer costs its checkpoint bytes until it is complete)."""
+    match = LAYER_TENSOR.match(item[0])
+    return (int(match.group(1)) if match else -1, item[1]["data_offsets"][0])
 
 
 def replace_safetensors_iterator(original, hf_weights_files, *args, **kwargs):

@@ -34,15 +34,19 @@ logger = logging.getLogger(__name__)
 
 @functools.cache
 def _size_kernel_pool() -> None:
-    """--kt-threads, once per process, before the first layer packs; by default, where SGLang's CPU engine gives
-    each TP rank its own cores, as many threads as this rank has (the ranks compute their expert slices at once)."""
+    """Once per process, before the first layer packs: on a CPU-only host the kernel's workers pinned to this rank's
+    cores (its NUMA node, or its SGLANG_CPU_OMP_THREADS_BIND entry), one per core unless --kt-threads says how many,
+    so the ranks compute their expert slices at once and each rank's packed experts are placed in its node's memory
+    by the threads that pack them (first touch); elsewhere --kt-threads, else the kernel's default."""
     from .cpu_host.compat import rank_cpus
 
-    threads = get_config().threads or len(rank_cpus() or ())
-    if threads > 0:
+    threads, cpus = get_config().threads, rank_cpus() or ()
+    if threads > 0 or cpus:
         from kt_serve.kernel.threads import set_num_threads
 
-        set_num_threads(threads)
+        set_num_threads(threads, cpus)
+        logger.info("kt_serve: kernel pool of %d threads%s", threads or len(cpus),
+                    f" pinned to CPUs {cpus}" if cpus else "")
 
 
 class KTRoutedExpertsMethod(FusedMoEMethodBase):
@@ -156,7 +160,8 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
             with self._loaded_lock:  # the tensor completing the layer packs it, once, whichever thread brings it
                 self._loaded.add((expert_id, shard_id, scale))
                 if len(self._loaded) == 3 * E * (2 if self.fp8_block else 1):
-                    self._pack(layer)
+                    with checkpoint.IN_FLIGHT.packing(layer.layer_id):
+                        self._pack(layer)
 
         return load
 
@@ -364,6 +369,8 @@ def set_routed_scales(result, model_runner, *args, **kwargs):
             method.routed_scale = accelerator.routed_scale(block, layer)
             if method.routed_scale != 1.0:
                 scaled.setdefault(method.routed_scale, []).append(layer.layer_id)
+    if checkpoint.IN_FLIGHT.peak:
+        logger.info("kt_serve: checkpoint read with at most %d MoE layers staged at once", checkpoint.IN_FLIGHT.peak)
     for scale, layers in scaled.items():
         logger.info("kt_serve: routed_scaling_factor %g applied by the kernel's MoE method in %d layers (the model "
                     "leaves it to the MoE runner on this host)", scale, len(layers))

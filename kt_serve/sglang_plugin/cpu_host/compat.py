@@ -41,15 +41,20 @@ def split_cores_between_ranks(server_args, environ=os.environ) -> None:
 
 
 def rank_cpus(environ=os.environ) -> list[int] | None:
-    """The CPUs SGLang's CPU engine binds this rank to (its SGLANG_CPU_OMP_THREADS_BIND entry, by the rank's device
-    index as SGLang picks it), or None where no per-rank binding is set."""
-    bind = environ.get("SGLANG_CPU_OMP_THREADS_BIND")
-    if not cpu_only_host() or not bind or bind == "all":
+    """The CPUs SGLang's CPU engine gives this rank: its SGLANG_CPU_OMP_THREADS_BIND entry, else its NUMA node's
+    physical cores (numa_utils.init_threads_binding, by the rank's device index); None off a CPU-only host."""
+    if not cpu_only_host():
         return None
     from sglang.srt.runtime_context import get_device
 
-    entries = bind.split("|")
     index = int(get_device().gpu_id or 0)
+    bind = environ.get("SGLANG_CPU_OMP_THREADS_BIND")
+    if not bind or bind == "all":
+        from sglang.srt.utils.common import get_cpu_ids_by_node
+
+        entries = get_cpu_ids_by_node()
+    else:
+        entries = bind.split("|")
     if not 0 <= index < len(entries):
         return None
     cpus = []

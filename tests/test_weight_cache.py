@@ -1,0 +1,138 @@
+"""The packed-weight cache (kt_serve/kernel/weight_cache.py) and the checkpoint reader that skips what it holds
+(sglang_plugin/checkpoint.py), without a server: a layer read back is the kernel state packing gave, bit for bit, in
+every format; a stale, truncated or corrupt file is refused with the reason, never served; a crash while writing
+leaves no file; the checkpoint's expert tensors of cached layers are not read, every other tensor is, exactly."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from kt_serve.kernel import weight_cache
+from kt_serve.kernel.experts import MoEExperts
+from kt_serve.kernel.weights import WEIGHT_FORMATS
+
+E, H, I = 4, 192, 160  # K values that are not multiples of the 128 group, N not of the 64-column block
+
+
+def experts(fmt: str) -> MoEExperts:
+    g = torch.Generator().manual_seed(1)
+    w = {n: torch.randn(shape, generator=g) * 0.05 for n, shape in (("gate_proj", (E, I, H)), ("up_proj", (E, I, H)),
+                                                                   ("down_proj", (E, H, I)))}
+    return MoEExperts(**w, weight_format=fmt, group_size=64, max_slots=2)
+
+
+def key(fmt: str, **changes) -> weight_cache.LayerKey:
+    fields = dict(source="ab" * 32, weight_format=fmt, group_size=64, shard=(0, 1), shape=(E, H, I))
+    return weight_cache.LayerKey(**{**fields, **changes})
+
+
+@pytest.mark.parametrize("fmt", WEIGHT_FORMATS)
+def test_a_cached_layer_is_the_packed_layer_bit_for_bit(tmp_path, fmt):
+    packed = experts(fmt)
+    path = tmp_path / "layer_0003.safetensors"
+    weight_cache.store(path, packed, key(fmt))
+    read = weight_cache.load(path, key(fmt), max_slots=2)
+    assert read.weight_format == fmt and read.group_size == packed.group_size
+    for a, b in zip(packed.packed_regions(), read.packed_regions()):
+        assert torch.equal(a, b)
+    want, got = packed.dequantized(), read.dequantized()
+    assert all(torch.equal(want[name], got[name]) for name in want)
+    x = torch.randn(5, H).to(torch.bfloat16)
+    ids = torch.tensor([[0, 3], [1, 2], [3, 3], [2, 0], [1, 1]])
+    w = torch.rand(5, 2)
+    assert torch.equal(packed.forward_sft(x, ids, w, save_for_backward=False),
+                       read.forward_sft(x, ids, w, save_for_backward=False))
+    # the file is a plain safetensors file of uint8 regions, readable by any safetensors tool
+    with safe_open(str(path), "pt") as f:
+        assert sorted(f.keys()) == sorted(weight_cache.REGION_NAMES[:len(packed.packed_regions())])
+        assert json.loads(f.metadata()["key"])["weight_format"] == fmt
+
+
+def _flip(path, offset_from_end: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(-offset_from_end, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-offset_from_end, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+def test_stale_truncated_or_corrupt_files_are_refused_with_the_reason(tmp_path, fmt, monkeypatch):
+    path = tmp_path / "layer_0000.safetensors"
+    weight_cache.store(path, experts(fmt), key(fmt))
+    size = path.stat().st_size
+    with pytest.raises(weight_cache.CacheMiss, match="not cached yet"):
+        weight_cache.load(tmp_path / "layer_0001.safetensors", key(fmt))
+    for changed in (dict(source="cd" * 32), dict(group_size=128), dict(shard=(1, 2)), dict(weight_format="int8")):
+        with pytest.raises(weight_cache.CacheMiss, match=f"stale \\({next(iter(changed))} changed"):
+            weight_cache.load(path, key(fmt, **changed))
+    monkeypatch.setattr(weight_cache, "LAYOUT_VERSION", weight_cache.LAYOUT_VERSION + 1)
+    with pytest.raises(weight_cache.CacheMiss, match="stale \\(kernel layout version"):
+        weight_cache.load(path, key(fmt))
+    monkeypatch.undo()
+    # one flipped bit anywhere in the data: every region in turn (they lie back to back before the end)
+    header_end = size - sum(r.numel() for r in experts(fmt).packed_regions())
+    for offset in range(1, size - header_end, max(1, (size - header_end) // 23)):
+        _flip(path, offset)
+        with pytest.raises(weight_cache.CacheMiss, match="corrupt"):
+            weight_cache.load(path, key(fmt))
+        _flip(path, offset)
+    weight_cache.load(path, key(fmt))  # restored: served again
+    with open(path, "r+b") as f:
+        f.truncate(size - 1)
+    with pytest.raises(weight_cache.CacheMiss, match="truncated"):
+        weight_cache.load(path, key(fmt))
+    path.write_bytes(b"\x00" * 64)
+    with pytest.raises(weight_cache.CacheMiss, match="unreadable"):
+        weight_cache.load(path, key(fmt))
+
+
+def test_a_write_that_fails_leaves_no_file(tmp_path, monkeypatch):
+    path = tmp_path / "layer_0000.safetensors"
+
+    def dies_half_way(target, tensors, metadata):
+        target.write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(weight_cache, "save_tensors", dies_half_way)
+    with pytest.raises(OSError, match="No space"):
+        weight_cache.store(path, experts("int8"), key("int8"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_checkpoint_reader_skips_cached_layers_and_reads_the_rest_exactly(tmp_path):
+    pytest.importorskip("sglang")
+    from kt_serve.harness.tiny_model import build_tiny_moe
+    from kt_serve.sglang_plugin import checkpoint
+
+    model = build_tiny_moe(tmp_path / "m", "qwen3_moe", num_layers=3)
+    files = sorted(str(p) for p in model.glob("*.safetensors"))
+    reference = {}
+    for f in files:
+        with safe_open(f, "pt") as handle:
+            reference.update({k: handle.get_tensor(k) for k in handle.keys()})
+    got = dict(checkpoint.checkpoint_tensors(files))
+    assert got.keys() == reference.keys() and all(torch.equal(got[k], reference[k]) for k in got)
+    checkpoint.CACHED_LAYERS.add(str(model), 1)
+    got = dict(checkpoint.checkpoint_tensors(files))
+    skipped = {k for k in reference if k.startswith("model.layers.1.mlp.experts.")}
+    assert len(skipped) == 3 * 8 and got.keys() == reference.keys() - skipped
+    assert "model.layers.1.mlp.gate.weight" in got and "model.layers.0.mlp.experts.0.up_proj.weight" in got
+
+
+def test_a_layers_source_digest_changes_with_its_checkpoint_file(tmp_path):
+    pytest.importorskip("sglang")
+    from kt_serve.harness.tiny_model import build_tiny_moe
+    from kt_serve.sglang_plugin import checkpoint
+
+    model = build_tiny_moe(tmp_path / "m", "qwen3_moe", num_layers=2)
+    before = checkpoint.expert_sources(str(model))
+    assert sorted(before) == [0, 1] and before[0] != before[1]
+    checkpoint._sources.clear()
+    shard = next(model.glob("*.safetensors"))
+    stat = shard.stat()
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # rewritten in place: a new mtime
+    assert checkpoint.expert_sources(str(model)) != before
