@@ -245,7 +245,7 @@ def main(argv=None) -> int:
     print(f"\nCPU: {cpu_model()}; kernel isa {_kernel.cpu_isa()}; checkpoint {args.checkpoint} "
           f"{config['num_hidden_layers']} layers, {disk / 1e9:.1f} GB on disk; streaming read {bw:.1f} GB/s\n")
     print("| start | ready (s) | peak RSS while loading (GiB) | settled RSS (GiB) | peak / settled | MoE layers read "
-          "from cache / packed | 1-stream tok/s | bytes / token (GB) | % of read | greedy = first start |")
+          "from cache / packed | 1-stream tok/s | bytes / token (GB) | % of read | greedy = first start's |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         flags = row["flags"]
@@ -257,7 +257,7 @@ def main(argv=None) -> int:
               f"| {row['ready_s']:.0f} | {row['peak_gib']:.2f} | {row['settled_gib']:.2f} "
               f"| {row['peak_gib'] / row['settled_gib']:.3f} | {row['cache_reads']} / {row['packed']} "
               f"| {f'{tok_s:.1f}' if tok_s else '-'} | {bpt / 1e9:.2f} "
-              f"| {f'{tok_s * bpt / 1e9 / bw * 100:.0f}%' if tok_s else '-'} | {row['greedy'] == rows[0]['greedy']} |")
+              f"| {f'{tok_s * bpt / 1e9 / bw * 100:.0f}%' if tok_s else '-'} | {row['greedy'] == rows[0]['greedy'] if row['flags'] == rows[0]['flags'] else '(other formats)'} |")
     for row in rows:
         for line in row["rebuilt"]:
             print(f"\n{row['start']}: {line}")

@@ -253,7 +253,7 @@ def refusal(model_dir, options: ServeOptions, available: int | None = None) -> s
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("model_dir")
+    ap.add_argument("model_dir", nargs="?", help="the checkpoint to serve (with --train: the config's model)")
     ap.add_argument("--kt-expert-dtype", default="auto", choices=["auto", *WEIGHT_FORMATS])
     ap.add_argument("--kt-dense-dtype", default="bf16", choices=DENSE_FORMATS)
     ap.add_argument("--kt-lm-head-dtype", default="bf16", choices=DENSE_FORMATS)
@@ -271,11 +271,13 @@ def main(argv=None) -> int:
 
     available = ExpertBudget.parse(args.available).nbytes if args.available else None
     if args.train:
-        from kt_serve.train.plan import training_plan
+        from kt_serve.train.plan import describe, training_plan
 
         plan = training_plan(args.train, available)
-        print(plan.table())
+        print(describe(plan))
         return 0 if plan.fits else 1
+    if args.model_dir is None:
+        ap.error("MODEL_DIR is required without --train")
     budget = ExpertBudget.parse(args.kt_max_expert_loras)
     options = ServeOptions(expert_dtype=args.kt_expert_dtype, dense_dtype=args.kt_dense_dtype,
                            lm_head_dtype=args.kt_lm_head_dtype, group_size=args.kt_expert_group_size,

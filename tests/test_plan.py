@@ -116,3 +116,30 @@ def test_a_launch_that_cannot_fit_is_refused_in_seconds(tmp_path):
     assert "will not fit: it needs" in message and "GiB this host has available" in message, message[-3000:]
     assert "| routed experts (2 MoE layers) | bf16 |" in message
     assert time.perf_counter() - t0 < 60  # refused by the launcher, not after loading
+
+
+def test_training_plan_counts_the_lora_and_the_bf16_load_by_hand(tmp_path, capsys):
+    model = build_tiny_moe(tmp_path / "q3", "qwen3_moe", hidden_size=256, moe_intermediate_size=128, num_experts=8,
+                           num_layers=2, vocab_size=1024)
+    config = tmp_path / "train.yaml"
+    config.write_text(f"model_name_or_path: {model}\nstage: sft\ndo_train: true\nfinetuning_type: lora\n"
+                      "lora_rank: 4\nlora_target: q_proj,down_proj\ndataset: pirate_alpaca\n"
+                      "dataset_dir: kt_serve/data/example_dataset\ntemplate: tokenizer\ncutoff_len: 64\n"
+                      f"output_dir: {tmp_path / 'out'}\nper_device_train_batch_size: 2\n"
+                      "kt_config:\n  dense_device: cpu\n  kt_expert_weight_format: int8\n")
+    from kt_serve.train.plan import training_plan
+
+    p = training_plan(config, available=64 * GIB)
+    r = rows(p)
+    # int8: a byte plus an fp32 scale per row of K values (gate / up K = 256, down K = 128)
+    assert r["routed experts in the kernel"] == 2 * 8 * (2 * 128 * 256 * (1 + 4 / 256) + 256 * 128 * (1 + 4 / 128))
+    # expert down_proj LoRA (A [4, 128] + B [256, 4] per expert) and q_proj LoRA (A [4, 256] + B [256, 4] a layer),
+    # each value with its gradient and two AdamW moments in fp32
+    assert r["expert LoRA, rank 4, with gradients and AdamW states"] == 2 * 8 * 4 * (128 + 256) * 16
+    assert r["non-expert LoRA"] == 2 * 4 * (256 + 256) * 16
+    # transformers loads every tensor in bf16 before the kernel packs the experts
+    from kt_serve.formats.checkpoint import tensor_entries
+
+    assert p.staged_bytes == sum(e.numel for e in tensor_entries(model)) * 2
+    assert plan.main(["--train", str(config), "--available", "64GiB"]) == 0
+    assert "| expert LoRA, rank 4" in capsys.readouterr().out

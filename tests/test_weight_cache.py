@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from kt_serve.formats.safetensors_io import read_header
 from kt_serve.kernel import weight_cache
 from kt_serve.kernel.experts import MoEExperts
 from kt_serve.kernel.weights import WEIGHT_FORMATS
@@ -17,38 +18,43 @@ from kt_serve.kernel.weights import WEIGHT_FORMATS
 E, H, I = 4, 192, 160  # K values that are not multiples of the 128 group, N not of the 64-column block
 
 
-def experts(fmt: str) -> MoEExperts:
+def experts(fmt: str, shape=(E, H, I)) -> MoEExperts:
+    e, h, i = shape
     g = torch.Generator().manual_seed(1)
-    w = {n: torch.randn(shape, generator=g) * 0.05 for n, shape in (("gate_proj", (E, I, H)), ("up_proj", (E, I, H)),
-                                                                   ("down_proj", (E, H, I)))}
+    w = {n: torch.randn(s, generator=g) * 0.05 for n, s in (("gate_proj", (e, i, h)), ("up_proj", (e, i, h)),
+                                                           ("down_proj", (e, h, i)))}
     return MoEExperts(**w, weight_format=fmt, group_size=64, max_slots=2)
 
 
-def key(fmt: str, **changes) -> weight_cache.LayerKey:
-    fields = dict(source="ab" * 32, weight_format=fmt, group_size=64, shard=(0, 1), shape=(E, H, I))
+def key(fmt: str, shape=(E, H, I), **changes) -> weight_cache.LayerKey:
+    fields = dict(source="ab" * 32, weight_format=fmt, group_size=64, shard=(0, 1), shape=shape)
     return weight_cache.LayerKey(**{**fields, **changes})
 
 
-@pytest.mark.parametrize("fmt", WEIGHT_FORMATS)
-def test_a_cached_layer_is_the_packed_layer_bit_for_bit(tmp_path, fmt):
-    packed = experts(fmt)
+# the large layer's regions are MiBs in 2 MiB-aligned kernel buffers: read with O_DIRECT, their tails buffered
+@pytest.mark.parametrize("fmt, shape", [(f, (E, H, I)) for f in WEIGHT_FORMATS] + [("int4", (8, 1024, 1056))])
+def test_a_cached_layer_is_the_packed_layer_bit_for_bit(tmp_path, fmt, shape):
+    packed = experts(fmt, shape)
     path = tmp_path / "layer_0003.safetensors"
-    weight_cache.store(path, packed, key(fmt))
-    read = weight_cache.load(path, key(fmt), max_slots=2)
+    weight_cache.store(path, packed, key(fmt, shape))
+    read = weight_cache.load(path, key(fmt, shape), max_slots=2)
     assert read.weight_format == fmt and read.group_size == packed.group_size
     for a, b in zip(packed.packed_regions(), read.packed_regions()):
         assert torch.equal(a, b)
     want, got = packed.dequantized(), read.dequantized()
     assert all(torch.equal(want[name], got[name]) for name in want)
-    x = torch.randn(5, H).to(torch.bfloat16)
+    x = torch.randn(5, shape[1]).to(torch.bfloat16)
     ids = torch.tensor([[0, 3], [1, 2], [3, 3], [2, 0], [1, 1]])
     w = torch.rand(5, 2)
     assert torch.equal(packed.forward_sft(x, ids, w, save_for_backward=False),
                        read.forward_sft(x, ids, w, save_for_backward=False))
     # the file is a plain safetensors file of uint8 regions, readable by any safetensors tool
     with safe_open(str(path), "pt") as f:
-        assert sorted(f.keys()) == sorted(weight_cache.REGION_NAMES[:len(packed.packed_regions())])
+        regions = [k for k in f.keys() if not k.endswith(".pad")]
+        assert sorted(regions) == [weight_cache.region_key(i) for i in range(len(packed.packed_regions()))]
         assert json.loads(f.metadata()["key"])["weight_format"] == fmt
+    header, start = read_header(path)
+    assert all((start + header[k]["data_offsets"][0]) % weight_cache.ALIGN == 0 for k in regions)
 
 
 def _flip(path, offset_from_end: int) -> None:
@@ -73,13 +79,17 @@ def test_stale_truncated_or_corrupt_files_are_refused_with_the_reason(tmp_path, 
     with pytest.raises(weight_cache.CacheMiss, match="stale \\(kernel layout version"):
         weight_cache.load(path, key(fmt))
     monkeypatch.undo()
-    # one flipped bit anywhere in the data: every region in turn (they lie back to back before the end)
-    header_end = size - sum(r.numel() for r in experts(fmt).packed_regions())
-    for offset in range(1, size - header_end, max(1, (size - header_end) // 23)):
-        _flip(path, offset)
-        with pytest.raises(weight_cache.CacheMiss, match="corrupt"):
-            weight_cache.load(path, key(fmt))
-        _flip(path, offset)
+    # one flipped bit anywhere in a region's bytes (the padding between regions carries nothing)
+    header, start = read_header(path)
+    for name, entry in header.items():
+        if name == "__metadata__" or name.endswith(".pad"):
+            continue
+        begin, end = entry["data_offsets"]
+        for offset in sorted({begin, (begin + end) // 2, end - 1}):
+            _flip(path, size - (start + offset))
+            with pytest.raises(weight_cache.CacheMiss, match=f"corrupt \\({name}'s bytes"):
+                weight_cache.load(path, key(fmt))
+            _flip(path, size - (start + offset))
     weight_cache.load(path, key(fmt))  # restored: served again
     with open(path, "r+b") as f:
         f.truncate(size - 1)
@@ -93,7 +103,7 @@ def test_stale_truncated_or_corrupt_files_are_refused_with_the_reason(tmp_path, 
 def test_a_write_that_fails_leaves_no_file(tmp_path, monkeypatch):
     path = tmp_path / "layer_0000.safetensors"
 
-    def dies_half_way(target, tensors, metadata):
+    def dies_half_way(target, tensors, metadata, align):
         target.write_bytes(b"partial")
         raise OSError(28, "No space left on device")
 

@@ -114,7 +114,8 @@ class SafetensorsWriter:
     """
 
     def __init__(self, path: Path, layout: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
-                 metadata: Mapping[str, str] | None = None):
+                 metadata: Mapping[str, str] | None = None, align: int = 8):
+        """``align``: the data starts at a multiple of it (the header padded with spaces; 8 as save_file does)."""
         self.path = Path(path)
         order = sorted(layout, key=lambda key: (_ST_DTYPE_ORDER.index(ST_DTYPES[layout[key][0]]), key))
         header: dict = {"__metadata__": dict(metadata)} if metadata else {}
@@ -127,7 +128,7 @@ class SafetensorsWriter:
             self._slots[key] = (dtype, tuple(shape), offset, size)
             offset += size
         text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-        text += b" " * (-len(text) % 8)
+        text += b" " * (-(8 + len(text)) % align)
         self._data_start = 8 + len(text)
         self._pending = set(self._slots)
         self._file = open(self.path, "wb")
@@ -155,8 +156,9 @@ class SafetensorsWriter:
         self._file.close()
 
 
-def save_tensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> None:
-    writer = SafetensorsWriter(path, {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}, metadata)
+def save_tensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None,
+                 align: int = 8) -> None:
+    writer = SafetensorsWriter(path, {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}, metadata, align)
     try:
         for key, value in tensors.items():
             writer.write(key, value)

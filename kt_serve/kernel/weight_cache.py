@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -29,6 +30,18 @@ from kt_serve.kernel.experts import MoEExperts
 LAYOUT_VERSION = 1
 REGION_NAMES = ("gate", "up", "down", "gate_scales", "up_scales", "down_scales")
 _FORMAT_TAG = "kt_serve packed experts"
+# Each region starts 4 KiB-aligned in the file (padding tensors between them), so it is read with O_DIRECT straight
+# into the kernel's (2 MiB-aligned) buffers: a whole model's cache is read at the disk's speed, by several reads in
+# flight, without a second copy in the page cache (measured on the 2-core VM, 5 GB of a Qwen3-30B-A3B int4 cache:
+# buffered, one reader 0.56 GB/s; O_DIRECT, one reader 1.26; two readers 2.09).
+ALIGN = 4096
+READERS = 4
+CHUNK = 32 << 20
+
+
+def region_key(i: int) -> str:
+    """The file's name of region i; the padding after it is this name + ".pad" (names sort in region order)."""
+    return f"{i}.{REGION_NAMES[i]}"
 
 
 class CacheMiss(Exception):
@@ -55,20 +68,32 @@ def default_root() -> Path:
 
 
 def store(path: Path, experts: MoEExperts, key: LayerKey) -> None:
-    """Writes the layer file atomically (a temporary file in the same directory, fsynced, then renamed)."""
+    """Writes the layer file atomically (a temporary file in the same directory, fsynced, then renamed); its pages
+    are dropped from the page cache afterwards (the kernel holds these bytes already)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     regions = experts.packed_regions()
-    tensors = dict(zip(REGION_NAMES, regions))
+    tensors, end = {}, 0
+    for i, region in enumerate(regions):
+        tensors[region_key(i)] = region
+        end += region.numel()
+        if i + 1 < len(regions) and end % ALIGN:
+            tensors[region_key(i) + ".pad"] = torch.zeros(-end % ALIGN, dtype=torch.uint8)
+            end += -end % ALIGN
     metadata = key.metadata()
     metadata["group"] = str(experts.group_size)
     metadata["checksums"] = json.dumps([f"{_checksum(t):016x}" for t in regions])
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        save_tensors(tmp, tensors, metadata)
+        save_tensors(tmp, tensors, metadata, align=ALIGN)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def load(path: Path, key: LayerKey, *, max_tokens: int = 65536, max_slots: int = 64, isa: str = "auto") -> MoEExperts:
@@ -112,20 +137,57 @@ def _load(fd: int, path: Path, key: LayerKey, max_tokens: int, max_slots: int, i
     except ValueError as exc:
         raise CacheMiss(f"{path.name}: its layout does not fit this kernel ({exc})") from None
     regions = experts.packed_regions()
-    names = [n for n in REGION_NAMES if n in header]
-    if names != list(REGION_NAMES[:len(regions)]) or len(checksums) != len(regions):
-        raise CacheMiss(f"{path.name}: regions {names}, expected {list(REGION_NAMES[:len(regions)])}")
+    names = [region_key(i) for i in range(len(regions))]
+    stored = [k for k in header if k != "__metadata__" and not k.endswith(".pad")]
+    if sorted(stored) != names or len(checksums) != len(regions):
+        raise CacheMiss(f"{path.name}: its regions are not the {len(regions)} this kernel packs")
     size = os.fstat(fd).st_size
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-    for name, region, checksum in zip(names, regions, checksums):
+    jobs = []
+    for name, region in zip(names, regions):
         begin, end = header[name]["data_offsets"]
         if end - begin != region.numel():
             raise CacheMiss(f"{path.name}: {name} has {end - begin} bytes, this kernel packs {region.numel()}")
-        if data_start + end > size or pread_into(fd, region, data_start + begin) != region.numel():
+        if data_start + end > size:
             raise CacheMiss(f"{path.name}: truncated ({size} bytes, its header needs {data_start + end})")
+        jobs.append((region, data_start + begin))
+    if not _read_regions(path, fd, jobs):
+        raise CacheMiss(f"{path.name}: truncated while it was read")
+    for name, region, checksum in zip(names, regions, checksums):
         if f"{_checksum(region):016x}" != checksum:
             raise CacheMiss(f"{path.name}: corrupt ({name}'s bytes do not match their checksum)")
     return experts
+
+
+def _read_regions(path: Path, fd: int, jobs) -> bool:
+    """Reads each (region, file offset) in chunks, READERS at a time: with O_DIRECT where the region's address and
+    offset are aligned (the last partial block, and a file system without O_DIRECT, through ``fd``)."""
+    try:
+        direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except (OSError, AttributeError):
+        direct = None
+    chunks = []
+    for region, offset in jobs:
+        n = region.numel()
+        aligned = direct is not None and region.data_ptr() % ALIGN == 0 and offset % ALIGN == 0
+        head = n - n % ALIGN if aligned else 0
+        chunks += [(direct, region, start, min(CHUNK, head - start), offset) for start in range(0, head, CHUNK)]
+        if head < n:
+            chunks.append((fd, region, head, n - head, offset))
+
+    def read(chunk) -> bool:
+        handle, region, start, length, offset = chunk
+        part = region[start:start + length]
+        try:
+            return pread_into(handle, part, offset + start) == length
+        except OSError:  # O_DIRECT refused for this read: the page cache then
+            return handle is direct and pread_into(fd, part, offset + start) == length
+
+    try:
+        with ThreadPoolExecutor(READERS) as pool:
+            return all(pool.map(read, chunks))
+    finally:
+        if direct is not None:
+            os.close(direct)
 
 
 def _checksum(region: torch.Tensor) -> int:

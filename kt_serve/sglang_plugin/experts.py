@@ -34,13 +34,18 @@ logger = logging.getLogger(__name__)
 
 @functools.cache
 def _size_kernel_pool() -> None:
-    """Once per process, before the first layer packs: on a CPU-only host the kernel's workers pinned to this rank's
-    cores (its NUMA node, or its SGLANG_CPU_OMP_THREADS_BIND entry), one per core unless --kt-threads says how many,
-    so the ranks compute their expert slices at once and each rank's packed experts are placed in its node's memory
-    by the threads that pack them (first touch); elsewhere --kt-threads, else the kernel's default."""
+    """Once per process, before the first layer packs: --kt-threads, else the kernel's default (physical cores).
+    Where SGLang's CPU engine gives this rank other cores than this thread may use (TP ranks, NUMA nodes, SMT
+    siblings, or its AMX setup narrowing this thread to one core), the kernel's workers are pinned to the rank's cores, one each:
+    the ranks compute their expert slices at once, and each rank's experts are placed in its node's memory by the
+    threads that pack or read them (first touch)."""
+    import os
+
     from .cpu_host.compat import rank_cpus
 
-    threads, cpus = get_config().threads, rank_cpus() or ()
+    threads, cpus = get_config().threads, rank_cpus() or []
+    if set(cpus) == os.sched_getaffinity(0):  # the rank's cores are exactly this thread's: nothing to pin
+        cpus = []
     if threads > 0 or cpus:
         from kt_serve.kernel.threads import set_num_threads
 
