@@ -346,6 +346,13 @@ PYBIND11_MODULE(_kernel, m) {
         return kt::checksum(ptr<const uint8_t>(p), n);
       },
       py::arg("address"), py::arg("nbytes"), "64-bit checksum of a byte range (common/checksum.h)");
+  m.def(
+      "prefault",
+      [](uintptr_t p, size_t n) {
+        py::gil_scoped_release nogil;
+        kt::prefault(ptr<uint8_t>(p), n);
+      },
+      py::arg("address"), py::arg("nbytes"), "Zeros written over a byte range by the worker pool (common/checksum.h)");
   m.def("set_num_threads", &kt::set_num_threads, py::arg("n"), py::arg("cpus") = std::vector<int>{},
         "Size of the global worker pool (caller included); n < 1 means the default (physical cores, or one per "
         "listed CPU). cpus: pin worker i to cpus[i % len(cpus)] (the caller stays where it is).");

@@ -26,6 +26,10 @@ inline float bf16_to_f32(bf16 v) {
   return f;
 }
 
+inline void bf16_row_to_f32(const bf16* src, int n, float* dst) {
+  for (int i = 0; i < n; ++i) dst[i] = bf16_to_f32(src[i]);
+}
+
 inline bf16 f32_to_bf16(float f) {  // round to nearest even, NaN stays NaN
   uint32_t u;
   std::memcpy(&u, &f, 4);

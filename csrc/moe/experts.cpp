@@ -36,14 +36,21 @@ void pack_matrix(PackedWeights& W, const char* what, const ExpertWeights& w, con
     const int ei = static_cast<int>(e);
     if (!w.fp8) {
       const bf16* p = static_cast<const bf16*>(src) + e * estride;
-      W.pack(ei, [&](int n, int k) { return bf16_to_f32(p[static_cast<int64_t>(n) * K + k]); });
+      W.pack(ei, [&](int n, float* row) { bf16_row_to_f32(p + static_cast<int64_t>(n) * K, K, row); });
       return;
     }
     const uint8_t* p = static_cast<const uint8_t*>(src) + e * estride;
     const float* s = scale + e * sstride;
     if (W.layout.fmt == Format::fp8) return W.pack_fp8(ei, p, K, s, ld_scale, bn, what);
     const float* lut = e4m3_table();
-    W.pack(ei, [&](int n, int k) { return lut[p[static_cast<int64_t>(n) * K + k]] * s[(n / bn) * ld_scale + k / bk]; });
+    W.pack(ei, [&](int n, float* row) {
+      const uint8_t* q = p + static_cast<int64_t>(n) * K;
+      const float* block_scale = s + (n / bn) * ld_scale;
+      for (int k0 = 0; k0 < K; k0 += bk) {
+        const float scale_k = block_scale[k0 / bk];
+        for (int k = k0; k < std::min(K, k0 + bk); ++k) row[k] = lut[q[k]] * scale_k;
+      }
+    });
   });
 }
 

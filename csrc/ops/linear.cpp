@@ -30,7 +30,7 @@ PackedLinear::PackedLinear(int N, int K, const bf16* w, int64_t ldw, Format fmt,
   if (ldw < K) throw std::invalid_argument("dense linear: ldw must be at least K");
   w_.init(1, N, K, fmt, group);
   global_pool()->parallel_for(w_.nblocks, [&](int64_t b) {
-    w_.pack_block(0, static_cast<int>(b), [&](int n, int k) { return bf16_to_f32(w[static_cast<int64_t>(n) * ldw + k]); });
+    w_.pack_block(0, static_cast<int>(b), [&](int n, float* row) { bf16_row_to_f32(w + static_cast<int64_t>(n) * ldw, K, row); });
   });
 }
 

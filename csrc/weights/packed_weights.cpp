@@ -100,30 +100,43 @@ void PackedWeights::quantize_block(int e, int b, const float* tile) {
       s[g * gf + c] = a > 0.f ? a / (l.fmt == Format::int8 ? 127.f : 448.f) : 1.f;
     }
   }
+  // The values, a K pair ("row" of the block) at a time: value i = 2c + j is column c's K value 2kk + j. One loop
+  // per format, so the compiler sees straight arithmetic (the same divisions and roundings as the rules above).
+  const int rb = l.row_bytes();
   for (int kk = 0; kk < kp / 2; ++kk) {
-    uint8_t* row = w + static_cast<size_t>(kk) * l.row_bytes();
-    for (int i = 0; i < 2 * kBlockN; ++i) {
-      const int c = i / 2, k = 2 * kk + i % 2, g = k / l.group;
-      const float v = tile[c * kp + k];
-      switch (l.fmt) {
-        case Format::bf16: {
-          const bf16 h = f32_to_bf16(v);
-          std::memcpy(row + 2 * i, &h, 2);
-          break;
-        }
-        case Format::int8:
-          row[i] = static_cast<uint8_t>(static_cast<int8_t>(std::clamp(std::nearbyint(v / s[c]), -127.f, 127.f)));
-          break;
-        case Format::fp8: row[i] = f32_to_e4m3(v / s[g * gf + c]); break;
-        case Format::int4: {
+    uint8_t* row = w + static_cast<size_t>(kk) * rb;
+    const int g = 2 * kk / l.group;  // both K values of the pair: groups are multiples of 64
+    const float* tk = tile + 2 * kk;
+    switch (l.fmt) {
+      case Format::bf16: {
+        bf16* out = reinterpret_cast<bf16*>(row);
+        for (int c = 0; c < kBlockN; ++c)
+          for (int j = 0; j < 2; ++j) out[2 * c + j] = f32_to_bf16(tk[c * kp + j]);
+        break;
+      }
+      case Format::int8:
+        for (int c = 0; c < kBlockN; ++c)
+          for (int j = 0; j < 2; ++j)
+            row[2 * c + j] = static_cast<uint8_t>(static_cast<int8_t>(std::clamp(std::nearbyint(tk[c * kp + j] / s[c]), -127.f, 127.f)));
+        break;
+      case Format::fp8:
+        for (int c = 0; c < kBlockN; ++c)
+          for (int j = 0; j < 2; ++j) row[2 * c + j] = f32_to_e4m3(tk[c * kp + j] / s[g * gf + c]);
+        break;
+      case Format::int4: {
+        std::memset(row, 0, rb);
+        for (int c = 0; c < kBlockN; ++c) {
           const float* word = &s[g * gf + c];
-          const float q = k < K ? std::nearbyint((v - int4_min(word)) / int4_scale(word)) : 0.f;
-          const int code = static_cast<int>(std::clamp(q, 0.f, 15.f));
-          const int v4 = i / 32, lane = i % 32;
-          if (v4 == 0) row[2 * lane] = row[2 * lane + 1] = 0;
-          row[2 * lane + v4 / 2] |= static_cast<uint8_t>(code << (4 * (v4 % 2)));
-          break;
+          const float lo = int4_min(word), scale = int4_scale(word);
+          for (int j = 0; j < 2; ++j) {
+            const int i = 2 * c + j, k = 2 * kk + j;
+            const float q = k < K ? std::nearbyint((tk[c * kp + j] - lo) / scale) : 0.f;
+            const int code = static_cast<int>(std::clamp(q, 0.f, 15.f));
+            const int v4 = i / 32, lane = i % 32;
+            row[2 * lane + v4 / 2] |= static_cast<uint8_t>(code << (4 * (v4 % 2)));
+          }
         }
+        break;
       }
     }
   }

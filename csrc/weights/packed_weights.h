@@ -25,19 +25,22 @@ struct PackedWeights {
   }
   const bf16* bf16_block(int e, int b) const { return reinterpret_cast<const bf16*>(block(e, b).w); }
 
-  // Packs expert e from get(n, k) -> float (n < N, k < K), quantized by the format's rule (weights/packed_weights.cpp).
-  // Thread-safe across experts.
-  template <typename Get>
-  void pack(int e, Get&& get) {
-    for (int b = 0; b < nblocks; ++b) pack_block(e, b, get);
+  // Packs expert e from fill_row(n, row), which writes the K values of row n (n < N) as floats, quantized by the
+  // format's rule (weights/packed_weights.cpp). Rows, not single values: a source with block scales looks each
+  // scale up once per block of a row. Thread-safe across experts.
+  template <typename FillRow>
+  void pack(int e, FillRow&& fill_row) {
+    for (int b = 0; b < nblocks; ++b) pack_block(e, b, fill_row);
   }
   // Block b (columns [64b, 64b + 64)) of expert e alone: thread-safe across blocks.
-  template <typename Get>
-  void pack_block(int e, int b, Get&& get) {
+  template <typename FillRow>
+  void pack_block(int e, int b, FillRow&& fill_row) {
     float* tile = tile_scratch();
     for (int c = 0; c < 64; ++c) {
+      float* row = tile + static_cast<size_t>(c) * layout.kp;
       const int n = b * 64 + c;
-      for (int k = 0; k < layout.kp; ++k) tile[static_cast<size_t>(c) * layout.kp + k] = (n < N && k < K) ? get(n, k) : 0.f;
+      if (n < N) fill_row(n, row);
+      for (int k = n < N ? K : 0; k < layout.kp; ++k) row[k] = 0.f;
     }
     quantize_block(e, b, tile);
   }

@@ -168,6 +168,7 @@ def _read_regions(path: Path, fd: int, jobs) -> bool:
     chunks = []
     for region, offset in jobs:
         n = region.numel()
+        _kernel.prefault(region.data_ptr(), n)  # fresh memory: faulted in by the pool first (common/checksum.h)
         aligned = direct is not None and region.data_ptr() % ALIGN == 0 and offset % ALIGN == 0
         head = n - n % ALIGN if aligned else 0
         chunks += [(direct, region, start, min(CHUNK, head - start), offset) for start in range(0, head, CHUNK)]
