@@ -12,6 +12,7 @@ staged (experts.py packs each layer as soon as it is complete and releases its s
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import json
@@ -19,6 +20,7 @@ import logging
 import os
 import shutil
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -95,34 +97,61 @@ class _LayersInFlight:
 IN_FLIGHT = _LayersInFlight()
 
 
+READERS = 4                  # reads in flight: a disk gives more with several requests queued
+READ_AHEAD_BYTES = 256 << 20  # what may be read ahead of the loader (it overlaps the loader's packing)
+
+
 def checkpoint_tensors(files, *args, **kwargs):
-    """(name, tensor) of every tensor of ``files`` (safetensors), one read at a time in file order; the expert
-    tensors of cached layers skipped. Takes (and ignores) the options of the SGLang iterators it stands in for."""
+    """(name, tensor) of every tensor of ``files`` (safetensors) in file order, read by READERS threads up to
+    READ_AHEAD_BYTES ahead of the caller; the expert tensors of cached layers skipped. Takes (and ignores) the
+    options of the SGLang iterators it stands in for."""
+    pending: collections.deque = collections.deque()  # (name, future of its tensor, bytes)
+    ahead = 0
+    with contextlib.ExitStack() as stack:
+        pool = stack.enter_context(ThreadPoolExecutor(READERS))
+        for path, name, entry, fd, data_start in _tensors_to_read(files, stack):
+            dtype = TORCH_DTYPES.get(entry["dtype"])
+            if dtype is None:
+                raise ValueError(f"{path}: tensor {name} has dtype {entry['dtype']}, which the kt_serve loader "
+                                 f"does not read (expected one of {', '.join(TORCH_DTYPES)})")
+            tensor = torch.empty(entry["shape"], dtype=dtype)
+            begin, end = entry["data_offsets"]
+            if end - begin != tensor.nbytes:
+                raise ValueError(f"{path}: tensor {name}: its header gives {end - begin} bytes for shape "
+                                 f"{entry['shape']} {entry['dtype']}")
+            pending.append((path, name, pool.submit(pread_into, fd, tensor, data_start + begin), tensor))
+            ahead += tensor.nbytes
+            while pending and (ahead > READ_AHEAD_BYTES or len(pending) > 4 * READERS):
+                ahead -= yield from _next_read(pending)
+        while pending:
+            yield from _next_read(pending)
+
+
+def _next_read(pending):
+    path, name, future, tensor = pending.popleft()
+    if future.result() != tensor.nbytes:
+        raise ValueError(f"{path}: tensor {name} is truncated (the file ends inside it)")
+    yield name, tensor
+    return tensor.nbytes
+
+
+def _tensors_to_read(files, stack):
+    """(path, name, header entry, descriptor, data start) in read order; a new MoE layer's first tensor waits for
+    room (IN_FLIGHT) before it is handed out."""
     for path in files:
         skip = CACHED_LAYERS.of(os.path.dirname(path))
         header, data_start = read_header(path)
         header.pop("__metadata__", None)
         fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            for name, entry in sorted(header.items(), key=_layer_then_offset):
-                layer = expert_layer(name)
-                if layer is not None:
-                    if layer in skip:
-                        continue
-                    IN_FLIGHT.admit(layer)
-                dtype = TORCH_DTYPES.get(entry["dtype"])
-                if dtype is None:
-                    raise ValueError(f"{path}: tensor {name} has dtype {entry['dtype']}, which the kt_serve loader "
-                                     f"does not read (expected one of {', '.join(TORCH_DTYPES)})")
-                tensor = torch.empty(entry["shape"], dtype=dtype)
-                begin, end = entry["data_offsets"]
-                if end - begin != tensor.nbytes or pread_into(fd, tensor, data_start + begin) != tensor.nbytes:
-                    raise ValueError(f"{path}: tensor {name} is truncated or its header is inconsistent "
-                                     f"({end - begin} bytes at {data_start + begin}, shape {entry['shape']})")
-                yield name, tensor
-        finally:
-            os.close(fd)
+        stack.callback(os.close, fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        for name, entry in sorted(header.items(), key=_layer_then_offset):
+            layer = expert_layer(name)
+            if layer is not None:
+                if layer in skip:
+                    continue
+                IN_FLIGHT.admit(layer)
+            yield path, name, entry, fd, data_start
 
 
 def _layer_then_offset(item):
