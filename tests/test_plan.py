@@ -127,9 +127,7 @@ def test_training_plan_counts_the_lora_and_the_bf16_load_by_hand(tmp_path, capsy
                       "dataset_dir: kt_serve/data/example_dataset\ntemplate: tokenizer\ncutoff_len: 64\n"
                       f"output_dir: {tmp_path / 'out'}\nper_device_train_batch_size: 2\n"
                       "kt_config:\n  dense_device: cpu\n  kt_expert_weight_format: int8\n")
-    from kt_serve.train.plan import training_plan
-
-    p = training_plan(config, available=64 * GIB)
+    p = plan.training_plan(config, available=64 * GIB)
     r = rows(p)
     # int8: a byte plus an fp32 scale per row of K values (gate / up K = 256, down K = 128)
     assert r["routed experts in the kernel"] == 2 * 8 * (2 * 128 * 256 * (1 + 4 / 256) + 256 * 128 * (1 + 4 / 128))

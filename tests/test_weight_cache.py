@@ -146,3 +146,65 @@ def test_a_layers_source_digest_changes_with_its_checkpoint_file(tmp_path):
     stat = shard.stat()
     os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # rewritten in place: a new mtime
     assert checkpoint.expert_sources(str(model)) != before
+
+
+def test_a_server_reads_its_experts_from_the_cache_and_rebuilds_a_corrupt_layer(tmp_path):
+    """Three starts of one model with int4 experts: the first packs and writes the cache, the second reads every
+    layer from it (the checkpoint's experts not read) and answers with the same logprobs bit for bit, the third
+    finds one file corrupted, packs that layer from the checkpoint again, says so, and answers the same."""
+    pytest.importorskip("sglang")
+    from kt_serve.harness.server import SGLangServer
+    from kt_serve.harness.tiny_model import build_tiny_moe
+
+    model = build_tiny_moe(tmp_path / "m", "qwen3_moe", num_layers=3)
+    cache = tmp_path / "cache"
+    flags = ["--kt-expert-dtype", "int4", "--kt-weight-cache", str(cache)]
+    answers, logs = [], []
+    for start in range(3):
+        if start == 2:
+            victim = next(cache.rglob("layer_0001.safetensors"))
+            header, data_start = read_header(victim)
+            _flip(victim, victim.stat().st_size - (data_start + header["0.gate"]["data_offsets"][0] + 5))
+        with SGLangServer(model, flags) as server:
+            answers.append([server.greedy(str(model), [5 + i, 17, 40 + 3 * i, 9], 6) for i in range(2)])
+            logs.append(server.log_path.read_text())
+    assert logs[0].count("int4 experts packed from a bf16 checkpoint") == 3, logs[0][-3000:]
+    assert "packed-weight cache: 3 MoE layers written" in logs[0]
+    assert logs[1].count("int4 experts read from the packed-weight cache") == 3, logs[1][-3000:]
+    assert "packed from a bf16 checkpoint" not in logs[1]
+    assert "MoE layer 1 packed from the checkpoint again: layer_0001.safetensors: corrupt (0.gate's bytes" in logs[2]
+    assert logs[2].count("read from the packed-weight cache") == 2 and "packed-weight cache: 1 MoE layers written" in logs[2]
+    assert answers[1] == answers[0] and answers[2] == answers[0]  # token ids and logprobs, exactly
+    stored = json.loads(read_header(victim)[0]["__metadata__"]["key"])  # the rewritten file serves again
+    weight_cache.load(victim, weight_cache.LayerKey(stored["source"], "int4", 128, (0, 1), tuple(stored["shape"])))
+
+
+def test_the_reader_waits_while_two_layers_are_in_flight_and_one_packs(tmp_path, monkeypatch):
+    """DeepSeek's loader packs on its worker threads while the reader runs on: the reader must not hand out a third
+    MoE layer while two are in flight and a pack is running (their staging and the queue would grow layer by
+    layer), and goes on once that pack is done."""
+    pytest.importorskip("sglang")
+    import threading
+    import time
+
+    from kt_serve.formats.checkpoint import expert_layer
+    from kt_serve.harness.tiny_model import build_tiny_moe
+    from kt_serve.sglang_plugin import checkpoint
+
+    model = build_tiny_moe(tmp_path / "m", "qwen3_moe", num_layers=4)
+    files = sorted(str(p) for p in model.glob("*.safetensors"))
+    flight = checkpoint._LayersInFlight(limit=2)
+    monkeypatch.setattr(checkpoint, "IN_FLIGHT", flight)
+    seen = []
+    pack = flight.packing(0)
+    pack.__enter__()  # a worker packing layer 0
+    reader = threading.Thread(target=lambda: seen.extend(name for name, _ in checkpoint.checkpoint_tensors(files)))
+    reader.start()
+    time.sleep(1.0)
+    assert reader.is_alive() and {expert_layer(n) for n in seen} - {None} <= {0, 1}
+    pack.__exit__(None, None, None)
+    reader.join(30)
+    assert not reader.is_alive() and {expert_layer(n) for n in seen} - {None} == {0, 1, 2, 3}
+    # nothing packs layers 1-3 here: with no pack running the reader never waits (a loader that packs on the
+    # reading thread would otherwise stop), so layer 3 joined 1 and 2
+    assert flight.peak == 3

@@ -97,6 +97,33 @@ class _LayersInFlight:
 IN_FLIGHT = _LayersInFlight()
 
 
+class _CacheWriter:
+    """Writes packed layers to the packed-weight cache on one background thread, so the loader reads and packs the
+    next layer meanwhile; the load waits for the writes at its end. A failed write costs the cache only: logged."""
+
+    def __init__(self):
+        self._pool = None
+        self._writes = []
+
+    def store(self, layer_id: int, experts, path, key) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="kt_cache_writer")
+        self._writes.append((layer_id, path, self._pool.submit(weight_cache.store, path, experts, key)))
+
+    def wait(self) -> None:
+        writes, self._writes = self._writes, []
+        for layer_id, path, write in writes:
+            try:
+                write.result()
+            except OSError as exc:
+                logger.warning("kt_serve: packed-weight cache: MoE layer %d not written to %s: %s", layer_id, path, exc)
+        if writes:
+            logger.info("kt_serve: packed-weight cache: %d MoE layers written to %s", len(writes), writes[0][1].parent)
+
+
+CACHE_WRITER = _CacheWriter()
+
+
 READERS = 4                  # reads in flight: a disk gives more with several requests queued
 READ_AHEAD_BYTES = 256 << 20  # what may be read ahead of the loader (it overlaps the loader's packing)
 

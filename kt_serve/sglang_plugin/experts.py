@@ -44,8 +44,11 @@ def _size_kernel_pool() -> None:
     from .cpu_host.compat import rank_cpus
 
     threads, cpus = get_config().threads, rank_cpus() or []
-    if set(cpus) == os.sched_getaffinity(0):  # the rank's cores are exactly this thread's: nothing to pin
+    allowed = os.sched_getaffinity(0)
+    if set(cpus) == allowed:  # the rank's cores are exactly this thread's: nothing to pin
         cpus = []
+    elif cpus and not allowed <= set(cpus):  # this thread runs the pool's task 0 too: on the rank's cores
+        os.sched_setaffinity(0, cpus)
     if threads > 0 or cpus:
         from kt_serve.kernel.threads import set_num_threads
 
@@ -119,9 +122,9 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
 
     # -- the packed-weight cache (kernel/weight_cache.py; checkpoint.py keys it and skips the cached tensors) -------
     def _read_cache(self, layer) -> None:
-        from sglang.srt.runtime_context import get_server_args
-
-        model_dir = get_server_args().model_path
+        model_dir = served_model_dir()
+        if model_dir is None:
+            return
         self.cache = checkpoint.layer_cache(model_dir, layer.layer_id, dict(
             weight_format=self.weight_format, group_size=get_config().expert_group_size, shard=self.shard,
             shape=self.shape))
@@ -200,13 +203,7 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
         self._loaded.clear()
         self._install(layer, experts, f"packed from a {'fp8' if self.fp8_block else 'bf16'} checkpoint")
         if self.cache is not None:
-            from kt_serve.kernel import weight_cache
-
-            try:
-                weight_cache.store(self.cache[0], experts, self.cache[1])
-            except OSError as exc:  # the cache saves time only: serve without it, saying why
-                logger.warning("kt_serve: packed-weight cache: MoE layer %d not written to %s: %s", layer.layer_id,
-                               self.cache[0], exc)
+            checkpoint.CACHE_WRITER.store(layer.layer_id, experts, *self.cache)
 
     def _install(self, layer, experts, origin: str) -> None:
         self.experts = experts
@@ -324,6 +321,16 @@ def fused_moe_init(*args, **kwargs):
     return args, kwargs
 
 
+def served_model_dir() -> str | None:
+    """The served checkpoint's path, or None outside a server (the method built on its own)."""
+    from sglang.srt.runtime_context import get_server_args
+
+    try:
+        return get_server_args().model_path
+    except ValueError:
+        return None
+
+
 @functools.cache
 def checkpoint_moe_intermediate_size() -> int | None:
     """The routed experts' intermediate size as the served checkpoint stores it (None: not a local checkpoint, or no
@@ -374,6 +381,7 @@ def set_routed_scales(result, model_runner, *args, **kwargs):
             method.routed_scale = accelerator.routed_scale(block, layer)
             if method.routed_scale != 1.0:
                 scaled.setdefault(method.routed_scale, []).append(layer.layer_id)
+    checkpoint.CACHE_WRITER.wait()
     if checkpoint.IN_FLIGHT.peak:
         logger.info("kt_serve: checkpoint read with at most %d MoE layers staged at once", checkpoint.IN_FLIGHT.peak)
     for scale, layers in scaled.items():
