@@ -37,6 +37,22 @@ def test_int4_experts_match_reference_on_dequantized_weights(tiny_qwen3, tmp_pat
     assert max(abs(a - b) for a, b in zip(losses, bf16_losses)) > 1e-3
 
 
+def test_kt_weight_path_reads_the_packed_weight_cache(tiny_qwen3, tmp_path, caplog):
+    """kt_weight_path is the server's packed-weight cache (--kt-weight-cache): the first run packs each layer and
+    writes it there, the second reads every layer from it instead of quantizing, and both train against the
+    reference on the int4-dequantized weights as above."""
+    reference = write_expert_quantized_reference(tiny_qwen3, tmp_path / "int4_reference", "int4")
+    cache = tmp_path / "cache"
+    for run in ("first", "second"):
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            check_parity(tiny_qwen3, reference, tmp_path / run, LORA_TARGET, MODULES, f"int4 cache, {run} run",
+                         "kt_config.kt_expert_weight_format=int4", f"kt_weight_path={cache}")
+        read = [r for r in caplog.messages if "int4 experts read from the packed-weight cache" in r]
+        assert len(read) == (0 if run == "first" else TINY["num_layers"]), caplog.messages
+    assert len(list(cache.rglob("layer_*.safetensors"))) == TINY["num_layers"]
+
+
 def test_native_fp8_checkpoint_trains_on_its_own_weights(tiny_qwen3, tmp_path):
     fp8_dir, reference = write_fp8_checkpoint(tiny_qwen3, tmp_path / "fp8", tmp_path / "fp8_reference")
     check_parity(fp8_dir, reference, tmp_path, LORA_TARGET, MODULES, "fp8", "kt_config.kt_expert_weight_format=fp8")
@@ -57,7 +73,7 @@ def test_kt_format_names(tiny_qwen3, tmp_path):
          "kt_config.kt_backend AMXINT4 holds int4 experts but kt_expert_weight_format is int8"),
         (["kt_config.kt_expert_weight_format=nf4"], "kt_config.kt_expert_weight_format: 'nf4' is not supported"),
         (["kt_config.kt_weight_lifecycle=streaming"], "kt_config.kt_weight_lifecycle: 'streaming'"),
-        (["kt_weight_path=/data/int8"], "kt_weight_path: KT's converted INT8/INT4 expert files are not read"),
+        (["kt_non_expert_weight_path=/data/x"], "kt_non_expert_weight_path: KT's converted non-expert files"),
     ]:
         with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
             fmt(*overrides)

@@ -104,7 +104,7 @@ REQUIRED = {"model_name_or_path": "/models/m", "output_dir": "/tmp/out", "datase
     ({"kt_config": {"kt_backend": "LLAMAFILE"}}, "kt_config.kt_backend: 'LLAMAFILE' is not available"),
     ({"kt_config": {"kt_model_max_length": 1024}, "cutoff_len": 2048}, "kt_model_max_length (1024) must be greater"),
     ({"use_kt": False}, "use_kt: false"),
-    ({"kt_weight_path": "/w"}, "kt_weight_path: KT's converted INT8/INT4 expert files are not read"),
+    ({"kt_non_expert_weight_path": "/w"}, "kt_non_expert_weight_path: KT's converted non-expert files are not read"),
     ({"save_strategy": "best"}, "save_strategy: expected one of steps, epoch, no"),
     ({"kt_cpu_activation": "keep"}, "kt_cpu_activation: expected one of retain, recompute"),
     ({"lora_dropout": 1.0}, "lora_dropout: expected 0 <= p < 1"),

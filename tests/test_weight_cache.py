@@ -139,13 +139,13 @@ def test_a_layers_source_digest_changes_with_its_checkpoint_file(tmp_path):
     from kt_serve.sglang_plugin import checkpoint
 
     model = build_tiny_moe(tmp_path / "m", "qwen3_moe", num_layers=2)
-    before = checkpoint.expert_sources(str(model))
+    before = weight_cache.expert_sources(str(model))
     assert sorted(before) == [0, 1] and before[0] != before[1]
-    checkpoint._sources.clear()
+    weight_cache._sources.clear()
     shard = next(model.glob("*.safetensors"))
     stat = shard.stat()
     os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # rewritten in place: a new mtime
-    assert checkpoint.expert_sources(str(model)) != before
+    assert weight_cache.expert_sources(str(model)) != before
 
 
 def test_a_server_reads_its_experts_from_the_cache_and_rebuilds_a_corrupt_layer(tmp_path):

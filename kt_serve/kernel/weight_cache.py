@@ -12,8 +12,11 @@ rewrites the file. Files are written under a temporary name and renamed, so a cr
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,6 +24,7 @@ from pathlib import Path
 import torch
 
 from kt_serve import _kernel
+from kt_serve.formats.checkpoint import expert_layer, tensor_entries
 from kt_serve.formats.names import FormatError
 from kt_serve.formats.safetensors_io import pread_into, read_header, save_tensors
 from kt_serve.kernel.experts import MoEExperts
@@ -193,3 +197,63 @@ def _read_regions(path: Path, fd: int, jobs) -> bool:
 
 def _checksum(region: torch.Tensor) -> int:
     return _kernel.checksum(region.data_ptr(), region.numel()) if region.numel() else 0
+
+
+# -- where a checkpoint's layers live in a cache directory (the server's --kt-weight-cache, the trainer's
+# kt_weight_path) -----------------------------------------------------------------------------------------------
+def layer_file(root: Path, model_dir: str, layer_id: int, key_fields: dict):
+    """(file, LayerKey) of one MoE layer's packed experts under ``root``, or None where the checkpoint's expert
+    tensors are not found by name (the layer is then always packed from the checkpoint). ``key_fields``: the
+    LayerKey's fields but its source."""
+    source = expert_sources(os.path.realpath(model_dir)).get(int(layer_id))
+    if source is None:
+        return None
+    key = LayerKey(source=source, **key_fields)
+    rank, ranks = key.shard
+    where = _model_cache_dir(Path(root), os.path.realpath(model_dir))
+    return where / f"{key.weight_format}-g{key.group_size}-tp{rank}of{ranks}" / f"layer_{int(layer_id):04d}.safetensors", key
+
+
+_pruned = set()
+
+
+def _model_cache_dir(root: Path, model_dir: str) -> Path:
+    """One directory per checkpoint path; on first use in a process, the directories of checkpoints that no longer
+    exist are removed (a cache must not grow without bound as models come and go)."""
+    digest = hashlib.sha256(model_dir.encode()).hexdigest()[:16]
+    where = root / f"{Path(model_dir).name}-{digest}"
+    if root not in _pruned:
+        _pruned.add(root)
+        for entry in root.glob("*/source.json") if root.is_dir() else ():
+            try:
+                gone = not os.path.isdir(json.loads(entry.read_text())["model_path"])
+            except (OSError, ValueError, KeyError, TypeError):
+                gone = False
+            if gone:
+                shutil.rmtree(entry.parent, ignore_errors=True)
+    if not (where / "source.json").exists():
+        where.mkdir(parents=True, exist_ok=True)
+        (where / "source.json").write_text(json.dumps({"model_path": model_dir}) + "\n")
+    return where
+
+
+_sources: dict[str, dict[int, str]] = {}
+_sources_lock = threading.Lock()
+
+
+def expert_sources(model_dir: str) -> dict[int, str]:
+    """Per decoder layer, a digest of its routed expert tensors as the checkpoint holds them: their names, dtypes,
+    shapes and offsets, and each holding file's name, size and modification time. Read from the headers only."""
+    with _sources_lock:
+        if model_dir not in _sources:
+            stats = {path.name: path.stat() for path in Path(model_dir).glob("*.safetensors")}
+            entries: dict[int, list] = {}
+            for e in tensor_entries(model_dir):
+                layer = expert_layer(e.name)
+                if layer is not None:
+                    stat = stats[e.file]
+                    entries.setdefault(layer, []).append((e.name, e.dtype, e.shape, e.offsets, e.file, stat.st_size,
+                                                          stat.st_mtime_ns))
+            _sources[model_dir] = {layer: hashlib.sha256(json.dumps(sorted(items)).encode()).hexdigest()
+                                   for layer, items in entries.items()}
+        return _sources[model_dir]

@@ -14,18 +14,15 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import hashlib
-import json
 import logging
 import os
-import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from kt_serve.formats.checkpoint import LAYER_TENSOR, expert_layer, tensor_entries
+from kt_serve.formats.checkpoint import LAYER_TENSOR, expert_layer
 from kt_serve.formats.safetensors_io import TORCH_DTYPES, pread_into, read_header
 from kt_serve.kernel import weight_cache
 
@@ -203,59 +200,6 @@ def cache_root() -> Path | None:
 
 
 def layer_cache(model_dir: str, layer_id: int, key_fields: dict):
-    """(file, LayerKey) of one MoE layer's packed experts, or None where there is no cache (off, or the checkpoint's
-    expert tensors are not found by name: the layer is then always packed from the checkpoint)."""
+    """(file, LayerKey) of one MoE layer's packed experts under --kt-weight-cache, or None (kernel/weight_cache.py)."""
     root = cache_root()
-    sources = expert_sources(os.path.realpath(model_dir)) if root is not None else {}
-    source = sources.get(int(layer_id))
-    if source is None:
-        return None
-    key = weight_cache.LayerKey(source=source, **key_fields)
-    rank, ranks = key.shard
-    where = _model_cache_dir(root, os.path.realpath(model_dir))
-    return where / f"{key.weight_format}-g{key.group_size}-tp{rank}of{ranks}" / f"layer_{int(layer_id):04d}.safetensors", key
-
-
-_pruned = set()
-
-
-def _model_cache_dir(root: Path, model_dir: str) -> Path:
-    """One directory per checkpoint path; on first use in a process, the directories of checkpoints that no longer
-    exist are removed (a cache must not grow without bound as models come and go)."""
-    digest = hashlib.sha256(model_dir.encode()).hexdigest()[:16]
-    where = root / f"{Path(model_dir).name}-{digest}"
-    if root not in _pruned:
-        _pruned.add(root)
-        for entry in root.glob("*/source.json") if root.is_dir() else ():
-            try:
-                gone = not os.path.isdir(json.loads(entry.read_text())["model_path"])
-            except (OSError, ValueError, KeyError, TypeError):
-                gone = False
-            if gone:
-                shutil.rmtree(entry.parent, ignore_errors=True)
-    if not (where / "source.json").exists():
-        where.mkdir(parents=True, exist_ok=True)
-        (where / "source.json").write_text(json.dumps({"model_path": model_dir}) + "\n")
-    return where
-
-
-_sources: dict[str, dict[int, str]] = {}
-_sources_lock = threading.Lock()
-
-
-def expert_sources(model_dir: str) -> dict[int, str]:
-    """Per decoder layer, a digest of its routed expert tensors as the checkpoint holds them: their names, dtypes,
-    shapes and offsets, and each holding file's name, size and modification time. Read from the headers only."""
-    with _sources_lock:
-        if model_dir not in _sources:
-            stats = {path.name: path.stat() for path in Path(model_dir).glob("*.safetensors")}
-            entries: dict[int, list] = {}
-            for e in tensor_entries(model_dir):
-                layer = expert_layer(e.name)
-                if layer is not None:
-                    stat = stats[e.file]
-                    entries.setdefault(layer, []).append((e.name, e.dtype, e.shape, e.offsets, e.file, stat.st_size,
-                                                          stat.st_mtime_ns))
-            _sources[model_dir] = {layer: hashlib.sha256(json.dumps(sorted(items)).encode()).hexdigest()
-                                   for layer, items in entries.items()}
-        return _sources[model_dir]
+    return None if root is None else weight_cache.layer_file(root, model_dir, layer_id, key_fields)

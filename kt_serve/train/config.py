@@ -168,7 +168,9 @@ class TrainConfig:
     chunk_size: int | None = _note("the kernel takes each micro-batch's tokens in one call (its capacity follows "
                                    "cutoff_len / kt_config.kt_model_max_length)")
     kt_weight_path: str | None = field(default=None, metadata={
-        "help": "Refused: KT's converted INT8/INT4 expert files are not read; kt_serve quantizes the checkpoint's experts at load."})
+        "help": "The packed-weight cache the server writes (--kt-weight-cache DIR): layers it holds in "
+                "kt_expert_weight_format are read from it, the others packed and written there. KT's converted "
+                "INT8/INT4 expert files are not read."})
     kt_non_expert_weight_path: str | None = field(default=None, metadata={"help": "Refused, as kt_weight_path."})
     kt_use_lora_experts: bool = field(default=False, metadata={
         "help": "KT-FT LoRA Experts: N dense SwiGLU MLPs per MoE layer added to its output, trained with the LoRA."})
@@ -217,11 +219,15 @@ class TrainConfig:
         if self.use_kt is False:
             raise ConfigError("use_kt: false asks for training without KTransformers' CPU experts; kt_serve always "
                               "trains the routed experts in its kernel (use plain LLaMA-Factory for that)")
-        for name in ("kt_weight_path", "kt_non_expert_weight_path"):
-            if getattr(self, name) is not None:
-                raise ConfigError(f"{name}: KT's converted INT8/INT4 expert files are not read; kt_serve quantizes "
-                                  "the experts of the BF16 (or FP8) checkpoint at model_name_or_path at load: drop "
-                                  f"{name} and keep kt_expert_weight_format")
+        if self.kt_non_expert_weight_path is not None:
+            raise ConfigError("kt_non_expert_weight_path: KT's converted non-expert files are not read; kt_serve "
+                              "loads the non-expert weights of the checkpoint at model_name_or_path: drop it")
+        if self.kt_weight_path is not None:
+            path = Path(self.kt_weight_path)
+            if path.exists() and (not path.is_dir() or any(path.glob("*.safetensors"))):
+                raise ConfigError(f"kt_weight_path: {path} holds KT's converted expert files, which kt_serve does not "
+                                  "read; give the packed-weight cache directory the server uses (--kt-weight-cache "
+                                  "DIR: created if absent), or drop the field and keep kt_expert_weight_format")
         for name, default in (("kt_lora_expert_num", 2), ("kt_lora_expert_intermediate_size", 1024)):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: expected 0 (the default, {default}) or a positive integer, "

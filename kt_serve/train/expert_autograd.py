@@ -106,6 +106,9 @@ class MoELoRAExperts(torch.nn.Module):
     The frozen base is packed in ``weight_format`` (bf16, fp8, int8, int4; FP8 checkpoint tensors with their
     ``*_scale_inv`` as :class:`MoEExperts` takes them): gradients flow through the dequantized weights.
 
+    ``packed``: the frozen base already packed (``MoEExperts.empty`` filled from a packed-weight cache) instead of the
+    weight tensors.
+
     ``dropout`` is PEFT's ``lora_dropout`` on the expert LoRA inputs, applied in training mode only. Its masks
     come from ``dropout_seed`` (an int attribute, 0 initially): the trainer sets it before each forward (per
     micro-batch and layer), so a resumed run reproduces them.
@@ -125,6 +128,7 @@ class MoELoRAExperts(torch.nn.Module):
         dropout: float = 0.0,
         weight_format: str = "bf16",
         group_size: int = 128,
+        packed: Optional[MoEExperts] = None,
         **scales,
     ):
         super().__init__()
@@ -132,7 +136,8 @@ class MoELoRAExperts(torch.nn.Module):
             raise ValueError(f"rank must be a positive int, got {rank!r}")
         self.dropout = check_dropout(dropout)
         self.dropout_seed = 0
-        self._experts = MoEExperts(
+        # packed: the base already in the kernel (read from a packed-weight cache), one adapter slot
+        self._experts = packed or MoEExperts(
             gate_proj, up_proj, down_proj, gate_up_proj=gate_up_proj, max_tokens=max_tokens, max_slots=1, isa=isa,
             weight_format=weight_format, group_size=group_size, **scales,
         )

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from kt_serve.formats.names import ordered_target_modules
+from kt_serve.kernel import weight_cache
 from kt_serve.train.expert_autograd import MoELoRAExperts, expert_checkpoint_contexts
 from kt_serve.train.fp8_checkpoint import Fp8Checkpoint
 from kt_serve.train.lora_experts import attach_lora_experts, lora_experts_state_dict
@@ -85,26 +86,59 @@ def find_moe_blocks(model: nn.Module) -> list[MoEBlock]:
     return blocks
 
 
-def replace_routed_experts(model: nn.Module, rank: int, alpha: float, fp8=None, **kernel_options) -> dict[int, CPUExperts]:
+def replace_routed_experts(model: nn.Module, rank: int, alpha: float, fp8=None, weight_cache_dir=None,
+                           model_dir=None, **kernel_options) -> dict[int, CPUExperts]:
     """Swap every block's HF experts for ``CPUExperts`` (the kernel packs its own copy of the base weights, in
     ``weight_format``, so the HF tensors are released right after); returns the kernel modules by decoder-layer
     index. ``kernel_options``: ``dropout``, ``max_tokens``, ``isa`` and ``weight_format`` of :class:`MoELoRAExperts`.
     ``fp8``: the :class:`~kt_serve.train.fp8_checkpoint.Fp8Checkpoint` the model came from: experts are packed from
-    its e4m3 weights and block scales, not from the bf16 values transformers dequantized."""
+    its e4m3 weights and block scales, not from the bf16 values transformers dequantized. ``weight_cache_dir``
+    (``kt_weight_path``): the packed-weight cache the server writes (``--kt-weight-cache``), read for the layers
+    it holds in this format and written for the others, so a run packs each layer of a checkpoint once."""
     blocks = find_moe_blocks(model)
     if not blocks:
         raise ValueError(f"{type(model).__name__}: no MoE block with fused routed experts found")
     kernels = {}
     for b in blocks:
         experts = b.block.experts
-        if fp8 is not None:
+        packed, cache = None, None
+        if weight_cache_dir is not None:
+            E, two_i, H = experts.gate_up_proj.shape
+            cache = weight_cache.layer_file(weight_cache_dir, model_dir, b.layer, dict(
+                weight_format=kernel_options.get("weight_format", "bf16"), group_size=128, shard=(0, 1),
+                shape=(int(E), int(H), int(two_i) // 2)))
+            packed = _cached(b.layer, cache, kernel_options)
+        if packed is not None:
+            weights = {}
+        elif fp8 is not None:
             weights = fp8.expert_weights(b.path, experts.gate_up_proj.shape[0])
         else:
             weights = dict(gate_up_proj=experts.gate_up_proj.detach().cpu(), down_proj=experts.down_proj.detach().cpu())
-        kernel = CPUExperts(**weights, rank=rank, alpha=alpha, **kernel_options)
+        kernel = CPUExperts(**weights, rank=rank, alpha=alpha, packed=packed, **kernel_options)
+        if cache is not None and packed is None:
+            try:
+                weight_cache.store(cache[0], kernel._experts, cache[1])
+            except OSError as exc:  # the cache saves time only
+                logger.warning("layer %d: packed experts not written to %s: %s", b.layer, cache[0], exc)
         b.block.experts = kernel
         kernels[b.layer] = kernel
     return kernels
+
+
+def _cached(layer: int, cache, kernel_options):
+    """The layer's packed experts from the cache, or None (logged when a file was there but could not serve)."""
+    if cache is None:
+        return None
+    try:
+        packed = weight_cache.load(*cache, max_tokens=kernel_options.get("max_tokens", 65536), max_slots=1,
+                                   isa=kernel_options.get("isa", "auto"))
+    except weight_cache.CacheMiss as miss:
+        if cache[0].exists():
+            logger.warning("layer %d: packed experts packed from the checkpoint again: %s", layer, miss)
+        return None
+    logger.info("layer %d: %s experts read from the packed-weight cache %s", layer, packed.weight_format,
+                cache[0].parent)
+    return packed
 
 
 @dataclass
@@ -207,7 +241,9 @@ class TrainModel:
             logger.info("FP8 checkpoint: %d dense linears set from the file's blocks; routed experts packed from its "
                         "e4m3 weights as %s", fp8.restore_dense(model), cfg.kt_config.kt_expert_weight_format)
         torch.manual_seed(cfg.seed)  # LoRA init (kernel experts, then PEFT) is a function of the seed
-        kernels = replace_routed_experts(model, cfg.lora_rank, cfg.lora_alpha, fp8=fp8, dropout=cfg.lora_dropout,
+        kernels = replace_routed_experts(model, cfg.lora_rank, cfg.lora_alpha, fp8=fp8,
+                                         weight_cache_dir=cfg.kt_weight_path, model_dir=cfg.model_name_or_path,
+                                         dropout=cfg.lora_dropout,
                                          max_tokens=cfg.kernel_max_tokens, isa=cfg.kt_config.isa,
                                          weight_format=cfg.kt_config.kt_expert_weight_format)
         targets = resolve_targets(model, cfg.lora_targets)
