@@ -208,3 +208,25 @@ def test_the_reader_waits_while_two_layers_are_in_flight_and_one_packs(tmp_path,
     # nothing packs layers 1-3 here: with no pack running the reader never waits (a loader that packs on the
     # reading thread would otherwise stop), so layer 3 joined 1 and 2
     assert flight.peak == 3
+
+
+def test_a_cache_that_cannot_be_written_is_left_aside_and_deleted_models_are_pruned(tmp_path):
+    from kt_serve.harness.tiny_model import build_tiny_moe
+
+    model = build_tiny_moe(tmp_path / "m", "qwen3_moe", num_layers=2)
+    fields = dict(weight_format="int4", group_size=128, shard=(0, 1), shape=(8, 128, 64))
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    assert weight_cache.layer_file(blocked / "cache", str(model), 0, fields) is None  # no crash, no cache
+    root = tmp_path / "cache"
+    path, key = weight_cache.layer_file(root, str(model), 1, fields)
+    assert path.parent.parent.parent == root and key.shape == (8, 128, 64)
+    gone = build_tiny_moe(tmp_path / "gone", "qwen3_moe", num_layers=2)
+    weight_cache.layer_file(root, str(gone), 0, fields)
+    assert len(list(root.glob("*/source.json"))) == 2
+    import shutil
+
+    shutil.rmtree(gone)
+    weight_cache._model_dirs.clear()  # a new process
+    weight_cache.layer_file(root, str(model), 0, fields)
+    assert [json.loads(p.read_text())["model_path"] for p in root.glob("*/source.json")] == [str(model.resolve())]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import threading
@@ -33,6 +34,7 @@ from kt_serve.kernel.experts import MoEExperts
 # written by another layout are stale rather than misread.
 LAYOUT_VERSION = 1
 REGION_NAMES = ("gate", "up", "down", "gate_scales", "up_scales", "down_scales")
+logger = logging.getLogger(__name__)
 _FORMAT_TAG = "kt_serve packed experts"
 # Each region starts 4 KiB-aligned in the file (padding tensors between them), so it is read with O_DIRECT straight
 # into the kernel's (2 MiB-aligned) buffers: a whole model's cache is read at the disk's speed, by several reads in
@@ -202,38 +204,45 @@ def _checksum(region: torch.Tensor) -> int:
 # -- where a checkpoint's layers live in a cache directory (the server's --kt-weight-cache, the trainer's
 # kt_weight_path) -----------------------------------------------------------------------------------------------
 def layer_file(root: Path, model_dir: str, layer_id: int, key_fields: dict):
-    """(file, LayerKey) of one MoE layer's packed experts under ``root``, or None where the checkpoint's expert
-    tensors are not found by name (the layer is then always packed from the checkpoint). ``key_fields``: the
-    LayerKey's fields but its source."""
+    """(file, LayerKey) of one MoE layer's packed experts under ``root``, or None where there is none to use: the
+    checkpoint's expert tensors are not found by name, or ``root`` cannot be written (said once). The layer is then
+    packed from the checkpoint. ``key_fields``: the LayerKey's fields but its source."""
     source = expert_sources(os.path.realpath(model_dir)).get(int(layer_id))
-    if source is None:
+    where = _model_cache_dir(Path(root), os.path.realpath(model_dir)) if source is not None else None
+    if where is None:
         return None
     key = LayerKey(source=source, **key_fields)
     rank, ranks = key.shard
-    where = _model_cache_dir(Path(root), os.path.realpath(model_dir))
     return where / f"{key.weight_format}-g{key.group_size}-tp{rank}of{ranks}" / f"layer_{int(layer_id):04d}.safetensors", key
 
 
-_pruned = set()
+_model_dirs: dict = {}  # (root, checkpoint) -> its directory in the cache, or None where it cannot be made
 
 
-def _model_cache_dir(root: Path, model_dir: str) -> Path:
-    """One directory per checkpoint path; on first use in a process, the directories of checkpoints that no longer
-    exist are removed (a cache must not grow without bound as models come and go)."""
-    digest = hashlib.sha256(model_dir.encode()).hexdigest()[:16]
-    where = root / f"{Path(model_dir).name}-{digest}"
-    if root not in _pruned:
-        _pruned.add(root)
+def _model_cache_dir(root: Path, model_dir: str) -> Path | None:
+    """One directory per checkpoint path. The first time a process uses ``root``, the directories of deleted
+    checkpoints are removed (a cache must not grow without bound as models come and go): those whose checkpoint
+    directory is gone while its parent is still there (so an unmounted drive does not count as deleted)."""
+    if (root, model_dir) in _model_dirs:
+        return _model_dirs[root, model_dir]
+    if not any(r == root for r, _ in _model_dirs):
         for entry in root.glob("*/source.json") if root.is_dir() else ():
             try:
-                gone = not os.path.isdir(json.loads(entry.read_text())["model_path"])
+                path = Path(json.loads(entry.read_text())["model_path"])
             except (OSError, ValueError, KeyError, TypeError):
-                gone = False
-            if gone:
+                continue
+            if not path.is_dir() and path.parent.is_dir():
                 shutil.rmtree(entry.parent, ignore_errors=True)
-    if not (where / "source.json").exists():
+    where = root / f"{Path(model_dir).name}-{hashlib.sha256(model_dir.encode()).hexdigest()[:16]}"
+    try:
         where.mkdir(parents=True, exist_ok=True)
-        (where / "source.json").write_text(json.dumps({"model_path": model_dir}) + "\n")
+        if not (where / "source.json").exists():
+            (where / "source.json").write_text(json.dumps({"model_path": model_dir}) + "\n")
+    except OSError as exc:
+        logger.warning("kt_serve: packed-weight cache %s cannot be written (%s): experts are packed from the "
+                       "checkpoint at every start", root, exc)
+        where = None
+    _model_dirs[root, model_dir] = where
     return where
 
 
