@@ -347,6 +347,14 @@ PYBIND11_MODULE(_kernel, m) {
       },
       py::arg("address"), py::arg("nbytes"), "64-bit checksum of a byte range (common/checksum.h)");
   m.def(
+      "fp8_to_bf16",
+      [](uintptr_t w, int64_t N, int64_t K, uintptr_t scale_inv, int bn, int bk, uintptr_t out) {
+        py::gil_scoped_release nogil;
+        kt::fp8_to_bf16(ptr<const uint8_t>(w), N, K, ptr<const float>(scale_inv), bn, bk, ptr<bf16>(out));
+      },
+      py::arg("w"), py::arg("n"), py::arg("k"), py::arg("scale_inv"), py::arg("block_n"), py::arg("block_k"),
+      py::arg("out"), "An FP8 block-scaled matrix dequantized to bf16 (weights/packed_weights.h)");
+  m.def(
       "prefault",
       [](uintptr_t p, size_t n) {
         py::gil_scoped_release nogil;

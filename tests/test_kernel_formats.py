@@ -659,3 +659,21 @@ def test_expert_memory_per_format_from_a_config():
     deepseek = {"n_routed_experts": 256, "hidden_size": 7168, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
                 "first_k_dense_replace": 3}
     assert expert_memory(deepseek)["bf16"] == 58 * 256 * 3 * 7168 * 2048 * 2
+
+
+@pytest.mark.parametrize("N, K, block", [(256, 384, (128, 128)), (200, 333, (128, 128)), (64, 96, (32, 64))])
+def test_fp8_to_bf16_is_the_blockwise_product_rounded_to_nearest_even(N, K, block):
+    """The kernel's FP8 -> bf16 dequantization (a CPU host's dense FP8 linears) against torch written from the
+    definition: each e4m3 value times its block's scale_inv in fp32, then rounded to bf16."""
+    from kt_serve.kernel.weights import fp8_to_bf16
+
+    g = torch.Generator().manual_seed(N + K)
+    codes = torch.randint(0, 256, (N, K), dtype=torch.uint8, generator=g)
+    codes[(codes & 0x7F) == 0x7F] = 0x7E  # no NaN codes
+    w = codes.view(torch.float8_e4m3fn)
+    bn, bk = block
+    scale = torch.rand((-(-N // bn), -(-K // bk)), generator=g) * 4 + 0.01
+    rows = torch.arange(N) // bn
+    cols = torch.arange(K) // bk
+    want = (w.float() * scale[rows][:, cols]).to(torch.bfloat16)
+    assert torch.equal(fp8_to_bf16(w, scale, block), want)

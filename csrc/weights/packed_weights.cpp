@@ -10,8 +10,10 @@
 // with s = 1 where the range is 0; divisions in fp32, nearbyint rounds half to even.
 #include "weights/packed_weights.h"
 #include "common/prefetch.h"
+#include "common/thread_pool.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -244,6 +246,25 @@ void gemm_block_pair(const Kernels& kern, int M, const bf16* A0, const bf16* A1,
     return kern.qgemm_block_pair(M, A0, A1, lda, X0, X1, l, W0.block(e0, cb0), W1.block(e1, cb1), C0, C1, ldc);
   gemm_block(kern, M, A0, lda, W0, e0, cb0, C0, ldc, X0);
   gemm_block(kern, M, A1, lda, W1, e1, cb1, C1, ldc, X1);
+}
+
+void fp8_to_bf16(const uint8_t* w, int64_t N, int64_t K, const float* scale_inv, int bn, int bk, bf16* out) {
+  if (bn < 1 || bk < 1) fail("fp8_to_bf16: blocks must be >= 1 x 1");
+  static const auto table = [] {
+    std::array<float, 256> t{};
+    for (int b = 0; b < 256; ++b) t[b] = e4m3_to_f32(static_cast<uint8_t>(b));
+    return t;
+  }();
+  const int64_t ld_scale = (K + bk - 1) / bk;
+  global_pool()->parallel_for(N, [&](int64_t n) {
+    const uint8_t* row = w + n * K;
+    const float* scales = scale_inv + (n / bn) * ld_scale;
+    bf16* dst = out + n * K;
+    for (int64_t k0 = 0; k0 < K; k0 += bk) {
+      const float s = scales[k0 / bk];
+      for (int64_t k = k0; k < std::min(K, k0 + bk); ++k) dst[k] = f32_to_bf16(table[row[k]] * s);
+    }
+  });
 }
 
 void decode_transposed(const Kernels& kern, const PackedWeights& W, int e, int k0, int o, bf16* out) {

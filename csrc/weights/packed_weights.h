@@ -66,6 +66,12 @@ struct PackedWeights {
 // transposed copy of every expert (which doubled a bf16 layer's memory and made an int4 one 5x larger).
 // Rows of out outside [o, o + N) are not written (zero_inner).
 void decode_transposed(const Kernels& kern, const PackedWeights& W, int e, int k0, int o, bf16* out);
+
+// An FP8 checkpoint matrix (e4m3 w [N, K], fp32 scale_inv [ceil(N / bn), ceil(K / bk)]) dequantized to bf16:
+// out[n][k] = bf16(e4m3(w[n][k]) · scale_inv[n / bn][k / bk]), rounded to nearest even (what torch's
+// (w.float() * scale).to(bfloat16) gives), rows spread over the worker pool. A CPU host's dense FP8 linears take
+// this at load (a whole model's attention projections: about a billion values).
+void fp8_to_bf16(const uint8_t* w, int64_t N, int64_t K, const float* scale_inv, int bn, int bk, bf16* out);
 // Inner indices [n0, n1) of such a block set to zero (the padding between and after the decoded matrices).
 void zero_inner(bf16* out, int n0, int n1);
 
