@@ -173,7 +173,7 @@ def test_fp8_checkpoint_qwen3(qwen3_fp8):
     with serve(qwen3_fp8) as server:
         check_case(server, qwen3_fp8)
         log = server.log_tail(100000)
-    assert "fp8 experts from a fp8 checkpoint" in log, log[-3000:]
+    assert "fp8 experts packed from a fp8 checkpoint" in log, log[-3000:]
 
 
 def test_fp8_checkpoint_deepseek_v2(deepseek_fp8):
@@ -188,7 +188,7 @@ def test_expert_dtype_on_bf16_checkpoint(workdir, qwen3_bf16, fmt):
     with serve(c, ["--kt-expert-dtype", fmt]) as server:
         stats = check_case(server, c)
         log = server.log_tail(100000)
-    assert f"{fmt} experts from a bf16 checkpoint" in log, log[-3000:]
+    assert f"{fmt} experts packed from a bf16 checkpoint" in log, log[-3000:]
     if fmt == "int4":  # the server runs the int4 weights: far closer to their reference than to the bf16 model
         assert stats["mean_vs_reference"] < stats["mean_vs_bf16"] / 2, stats
 
