@@ -196,7 +196,7 @@ def cache_root() -> Path | None:
     value = get_config().weight_cache
     if value == "off":
         return None
-    return weight_cache.default_root() if value == "auto" else Path(value)
+    return weight_cache.default_root() if value == "auto" else Path(value).expanduser()
 
 
 def layer_cache(model_dir: str, layer_id: int, key_fields: dict):

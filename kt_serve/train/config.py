@@ -223,7 +223,8 @@ class TrainConfig:
             raise ConfigError("kt_non_expert_weight_path: KT's converted non-expert files are not read; kt_serve "
                               "loads the non-expert weights of the checkpoint at model_name_or_path: drop it")
         if self.kt_weight_path is not None:
-            path = Path(self.kt_weight_path)
+            path = Path(self.kt_weight_path).expanduser()
+            self.kt_weight_path = str(path)
             if path.exists() and (not path.is_dir() or any(path.glob("*.safetensors"))):
                 raise ConfigError(f"kt_weight_path: {path} holds KT's converted expert files, which kt_serve does not "
                                   "read; give the packed-weight cache directory the server uses (--kt-weight-cache "
