@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from kt_serve.formats.checkpoint import LAYER_TENSOR, expert_layer, tensor_entries
+from kt_serve.formats.checkpoint import DTYPE_BYTES, LAYER_TENSOR, expert_layer, tensor_entries
 from kt_serve.kernel.weights import WEIGHT_FORMATS, bytes_per_weight
 
 GIB = 2**30
@@ -124,7 +123,6 @@ def serving_plan(model_dir, options: ServeOptions, available: int | None = None)
     quant = config.get("quantization_config") or text.get("quantization_config") or {}
     block_k = int((quant.get("weight_block_size") or (128, 128))[1])
     tied = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
-    expert_weights = dict.fromkeys(WEIGHT_FORMATS, 0.0)
     groups = {"experts": 0.0, "dense": 0.0, "routers and small": 0, "embeddings": 0, "lm_head": 0.0}
     staged_layer: dict[int, int] = {}
     dense_bf16 = 0
@@ -203,8 +201,6 @@ def serving_plan(model_dir, options: ServeOptions, available: int | None = None)
 
 
 def _itemsize(dtype: str) -> int:
-    from kt_serve.formats.checkpoint import DTYPE_BYTES
-
     return DTYPE_BYTES.get(dtype, 2)
 
 

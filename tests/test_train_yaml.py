@@ -215,3 +215,16 @@ def test_tokenized_cache_failures_only_warn(tmp_path, caplog, monkeypatch):
         rebuilt = [e.input_ids for e in SFTDataset.build(cfg, tokenizer).examples]
     assert "is unreadable; tokenizing anew" in caplog.text and rebuilt == reference
     assert [p.name for p in data_cache.cache_dir().iterdir()] == [entry.name]  # rewritten, no temp file left
+
+
+def test_kt_weight_path_of_kt_converted_files_is_refused_and_a_cache_dir_accepted(tmp_path):
+    kt_files = tmp_path / "kt_int8"
+    kt_files.mkdir()
+    (kt_files / "layer0.safetensors").write_bytes(b"")
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump({**REQUIRED, "kt_weight_path": str(kt_files)}))
+    with pytest.raises(ConfigError, match=r"kt_weight_path: .* holds KT's converted expert files, which kt_serve "
+                                          r"does not read; give the packed-weight cache directory"):
+        load_config(path)
+    path.write_text(yaml.safe_dump({**REQUIRED, "kt_weight_path": str(tmp_path / "cache")}))
+    assert load_config(path).kt_weight_path == str(tmp_path / "cache")

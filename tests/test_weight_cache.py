@@ -134,9 +134,7 @@ def test_the_checkpoint_reader_skips_cached_layers_and_reads_the_rest_exactly(tm
 
 
 def test_a_layers_source_digest_changes_with_its_checkpoint_file(tmp_path):
-    pytest.importorskip("sglang")
     from kt_serve.harness.tiny_model import build_tiny_moe
-    from kt_serve.sglang_plugin import checkpoint
 
     model = build_tiny_moe(tmp_path / "m", "qwen3_moe", num_layers=2)
     before = weight_cache.expert_sources(str(model))
@@ -230,3 +228,20 @@ def test_a_cache_that_cannot_be_written_is_left_aside_and_deleted_models_are_pru
     weight_cache._model_dirs.clear()  # a new process
     weight_cache.layer_file(root, str(model), 0, fields)
     assert [json.loads(p.read_text())["model_path"] for p in root.glob("*/source.json")] == [str(model.resolve())]
+
+
+def test_a_checkpoint_with_a_dtype_the_reader_lacks_goes_to_sglangs_reader_saying_so(tmp_path, caplog):
+    pytest.importorskip("sglang")
+    import struct
+
+    from kt_serve.sglang_plugin import checkpoint
+
+    path = tmp_path / "odd.safetensors"
+    header = json.dumps({"x": {"dtype": "F8_E5M2", "shape": [2], "data_offsets": [0, 2]}}).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\x00\x00")
+    calls = []
+    with caplog.at_level("WARNING"):
+        out = checkpoint.replace_safetensors_iterator(lambda files, *a, **k: calls.append(files) or iter(()),
+                                                      [str(path)])
+    assert calls == [[str(path)]] and list(out) == []
+    assert "holds F8_E5M2 tensors, which the kt_serve checkpoint reader does not read" in caplog.text

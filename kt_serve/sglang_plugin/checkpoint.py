@@ -31,7 +31,6 @@ from .config import get_config
 logger = logging.getLogger(__name__)
 
 
-
 class _CachedLayers:
     """Per checkpoint directory, the MoE layers whose experts came from the cache: their checkpoint tensors are
     not read. Filled while the model is built (create_weights), read while its weights are iterated."""
@@ -186,7 +185,16 @@ def _layer_then_offset(item):
 
 
 def replace_safetensors_iterator(original, hf_weights_files, *args, **kwargs):
-    """AROUND SGLang's safetensors iterators in its model loader (hooks.py): ours instead."""
+    """AROUND SGLang's safetensors iterators in its model loader (hooks.py): ours instead, unless a file holds a
+    dtype this reader has no torch type for (then SGLang's, said once: whole files in memory while loading)."""
+    for path in hf_weights_files:
+        header, _ = read_header(path)
+        unknown = sorted({e["dtype"] for k, e in header.items() if k != "__metadata__"} - set(TORCH_DTYPES))
+        if unknown:
+            logger.warning("kt_serve: %s holds %s tensors, which the kt_serve checkpoint reader does not read: "
+                           "SGLang's reader loads this checkpoint (no bound on the memory it stages)", path,
+                           ", ".join(unknown))
+            return original(hf_weights_files, *args, **kwargs)
     return checkpoint_tensors(hf_weights_files)
 
 
