@@ -126,11 +126,28 @@ def test_the_checkpoint_reader_skips_cached_layers_and_reads_the_rest_exactly(tm
             reference.update({k: handle.get_tensor(k) for k in handle.keys()})
     got = dict(checkpoint.checkpoint_tensors(files))
     assert got.keys() == reference.keys() and all(torch.equal(got[k], reference[k]) for k in got)
-    checkpoint.CACHED_LAYERS.add(str(model), 1)
-    got = dict(checkpoint.checkpoint_tensors(files))
-    skipped = {k for k in reference if k.startswith("model.layers.1.mlp.experts.")}
-    assert len(skipped) == 3 * 8 and got.keys() == reference.keys() - skipped
-    assert "model.layers.1.mlp.gate.weight" in got and "model.layers.0.mlp.experts.0.up_proj.weight" in got
+
+
+    class LayerRead:  # a layer file whose header matched; its regions read fine, or prove corrupt only when read
+        def __init__(self, layer_id, corrupt):
+            self.layer_id, self.corrupt = layer_id, corrupt
+
+        def read(self):
+            if self.corrupt:
+                raise weight_cache.CacheMiss(f"layer_{self.layer_id:04d}.safetensors: corrupt")
+            return self.layer_id
+
+    installed = []
+    checkpoint.CACHE_READS.add(str(model), 1, LayerRead(1, False), installed.append)
+    checkpoint.CACHE_READS.add(str(model), 2, LayerRead(2, True), installed.append)
+    got = list(checkpoint.checkpoint_tensors(files))
+    names = [name for name, _ in got]
+    experts = {i: {k for k in reference if k.startswith(f"model.layers.{i}.mlp.experts.")} for i in range(3)}
+    assert len(experts[1]) == 3 * 8 and len(names) == len(set(names))
+    assert set(names) == reference.keys() - experts[1]  # layer 1 from the cache, layer 2's after all
+    assert set(names[-len(experts[2]):]) == experts[2]  # ... once its file proved corrupt, at the end
+    assert all(torch.equal(tensor, reference[name]) for name, tensor in got)
+    assert installed == [1] and checkpoint.CACHE_READS.of(str(model)) == frozenset()
 
 
 def test_a_layers_source_digest_changes_with_its_checkpoint_file(tmp_path):

@@ -105,22 +105,47 @@ def store(path: Path, experts: MoEExperts, key: LayerKey) -> None:
 def load(path: Path, key: LayerKey, *, max_tokens: int = 65536, max_slots: int = 64, isa: str = "auto") -> MoEExperts:
     """The layer's experts read from its file into the kernel's memory; raises :class:`CacheMiss` naming why the
     file cannot be served."""
+    return open_layer(path, key, max_tokens=max_tokens, max_slots=max_slots, isa=isa).read()
+
+
+@dataclass
+class LayerRead:
+    """A layer file whose header matches its key: the kernel's (empty) experts and where each region is in the file.
+    ``read()`` fills them and checks the checksums."""
+
+    path: Path
+    experts: MoEExperts
+    regions: list        # (name, region tensor, file offset, checksum)
+
+    def read(self) -> MoEExperts:
+        try:
+            complete = _read_regions(self.path, [(region, offset) for _, region, offset, _ in self.regions])
+        except OSError as exc:
+            raise CacheMiss(f"{self.path.name}: unreadable ({exc})") from None
+        if not complete:
+            raise CacheMiss(f"{self.path.name}: truncated while it was read")
+        for name, region, _, checksum in self.regions:
+            if f"{_checksum(region):016x}" != checksum:
+                raise CacheMiss(f"{self.path.name}: corrupt ({name}'s bytes do not match their checksum)")
+        return self.experts
+
+
+def open_layer(path: Path, key: LayerKey, *, max_tokens: int = 65536, max_slots: int = 64,
+               isa: str = "auto") -> LayerRead:
+    """Checks the layer file's header against ``key`` and the kernel's layout (raises :class:`CacheMiss` naming why
+    it cannot be served) and allocates the experts its regions are read into; reads nothing else."""
     path = Path(path)
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         raise CacheMiss(f"{path.name}: not cached yet") from None
     try:
-        return _load(fd, path, key, max_tokens, max_slots, isa)
-    finally:
-        os.close(fd)
-
-
-def _load(fd: int, path: Path, key: LayerKey, max_tokens: int, max_slots: int, isa: str) -> MoEExperts:
-    try:
         header, data_start = read_header(path, fd)
+        size = os.fstat(fd).st_size
     except FormatError as exc:
         raise CacheMiss(f"{path.name}: unreadable ({exc})") from None
+    finally:
+        os.close(fd)
     meta = header.get("__metadata__") or {}
     if meta.get("kt_serve") != _FORMAT_TAG:
         raise CacheMiss(f"{path.name}: not a kt_serve packed-experts file")
@@ -147,26 +172,49 @@ def _load(fd: int, path: Path, key: LayerKey, max_tokens: int, max_slots: int, i
     stored = [k for k in header if k != "__metadata__" and not k.endswith(".pad")]
     if sorted(stored) != names or len(checksums) != len(regions):
         raise CacheMiss(f"{path.name}: its regions are not the {len(regions)} this kernel packs")
-    size = os.fstat(fd).st_size
-    jobs = []
-    for name, region in zip(names, regions):
+    placed = []
+    for name, region, checksum in zip(names, regions, checksums):
         begin, end = header[name]["data_offsets"]
         if end - begin != region.numel():
             raise CacheMiss(f"{path.name}: {name} has {end - begin} bytes, this kernel packs {region.numel()}")
         if data_start + end > size:
             raise CacheMiss(f"{path.name}: truncated ({size} bytes, its header needs {data_start + end})")
-        jobs.append((region, data_start + begin))
-    if not _read_regions(path, fd, jobs):
-        raise CacheMiss(f"{path.name}: truncated while it was read")
-    for name, region, checksum in zip(names, regions, checksums):
-        if f"{_checksum(region):016x}" != checksum:
-            raise CacheMiss(f"{path.name}: corrupt ({name}'s bytes do not match their checksum)")
-    return experts
+        placed.append((name, region, data_start + begin, checksum))
+    return LayerRead(path, experts, placed)
 
 
-def _read_regions(path: Path, fd: int, jobs) -> bool:
+class CacheReader:
+    """Reads layer files in the background, in the order they are submitted, while the caller goes on (a server
+    reads the rest of its checkpoint meanwhile). Two layers are in progress at once, so one layer's fresh memory
+    is faulted in while the other's regions are read: on a host where first touching memory is slow (a VM whose
+    freed memory goes back to the hypervisor: about 1 GB/s a core on the 2-core test VM) that costs as much as the
+    disk read."""
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="kt_cache_reader")
+
+    def submit(self, layer: LayerRead):
+        """A future of the layer's experts (or of the :class:`CacheMiss` that says why they cannot be served)."""
+        return self._pool.submit(layer.read)
+
+
+_read_pool = None
+_read_pool_lock = threading.Lock()
+
+
+def _readers() -> ThreadPoolExecutor:
+    """READERS threads every layer read shares, so reads in flight stay at READERS however many layers are read."""
+    global _read_pool
+    with _read_pool_lock:
+        if _read_pool is None:
+            _read_pool = ThreadPoolExecutor(READERS, thread_name_prefix="kt_cache_io")
+        return _read_pool
+
+
+def _read_regions(path: Path, jobs) -> bool:
     """Reads each (region, file offset) in chunks, READERS at a time: with O_DIRECT where the region's address and
-    offset are aligned (the last partial block, and a file system without O_DIRECT, through ``fd``)."""
+    offset are aligned (the last partial block, and a file system without O_DIRECT, through the page cache)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
     except (OSError, AttributeError):
@@ -190,9 +238,9 @@ def _read_regions(path: Path, fd: int, jobs) -> bool:
             return handle is direct and pread_into(fd, part, offset + start) == length
 
     try:
-        with ThreadPoolExecutor(READERS) as pool:
-            return all(pool.map(read, chunks))
+        return all([f.result() for f in [_readers().submit(read, chunk) for chunk in chunks]])
     finally:
+        os.close(fd)
         if direct is not None:
             os.close(direct)
 

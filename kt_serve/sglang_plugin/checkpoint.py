@@ -31,24 +31,49 @@ from .config import get_config
 logger = logging.getLogger(__name__)
 
 
-class _CachedLayers:
-    """Per checkpoint directory, the MoE layers whose experts came from the cache: their checkpoint tensors are
-    not read. Filled while the model is built (create_weights), read while its weights are iterated."""
+class _CacheReads:
+    """Per checkpoint directory, the MoE layers whose experts are read from the packed-weight cache: their checkpoint
+    tensors are not read. A layer is added while the model is built (create_weights), once its file's header
+    matched; its regions are then read in the background (weight_cache.CacheReader) while SGLang reads the rest
+    of the checkpoint, and ``finish`` installs them at the end of that read. A layer whose file proves corrupt or
+    truncated only then is read from the checkpoint after all: ``finish`` returns it."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._layers: dict[str, set[int]] = {}
+        self._layers: dict[str, dict[int, tuple]] = {}  # checkpoint -> layer -> (future of its experts, install)
+        self._reader = None
 
-    def add(self, model_dir: str, layer_id: int) -> None:
+    def add(self, model_dir: str, layer_id: int, layer_read, install) -> None:
         with self._lock:
-            self._layers.setdefault(os.path.realpath(model_dir), set()).add(int(layer_id))
+            if self._reader is None:
+                self._reader = weight_cache.CacheReader()
+            future = self._reader.submit(layer_read)
+            self._layers.setdefault(os.path.realpath(model_dir), {})[int(layer_id)] = (future, install)
 
     def of(self, model_dir: str) -> frozenset:
         with self._lock:
             return frozenset(self._layers.get(os.path.realpath(model_dir), ()))
 
+    def finish(self, model_dir: str) -> set[int]:
+        """Waits for the layers of ``model_dir`` and installs each (in layer order); returns those that cannot be
+        served from the cache (said in one log line each), now no longer skipped."""
+        with self._lock:
+            layers = self._layers.pop(os.path.realpath(model_dir), {})
+        missed = set()
+        for layer_id in sorted(layers):
+            future, install = layers[layer_id]
+            try:
+                experts = future.result()
+            except weight_cache.CacheMiss as miss:
+                logger.warning("kt_serve: packed-weight cache: MoE layer %d packed from the checkpoint again: %s",
+                               layer_id, miss)
+                missed.add(layer_id)
+                continue
+            install(experts)
+        return missed
 
-CACHED_LAYERS = _CachedLayers()
+
+CACHE_READS = _CacheReads()
 
 
 class _LayersInFlight:
@@ -126,13 +151,22 @@ READ_AHEAD_BYTES = 256 << 20  # what may be read ahead of the loader (it overlap
 
 def checkpoint_tensors(files, *args, **kwargs):
     """(name, tensor) of every tensor of ``files`` (safetensors) in file order, read by READERS threads up to
-    READ_AHEAD_BYTES ahead of the caller; the expert tensors of cached layers skipped. Takes (and ignores) the
-    options of the SGLang iterators it stands in for."""
+    READ_AHEAD_BYTES ahead of the caller; the expert tensors of layers read from the cache skipped, unless their
+    cache files prove unusable (then they come last). Takes (and ignores) the options of the SGLang iterators it
+    stands in for."""
+    yield from _read_tensors(files, lambda layer, cached: layer is None or layer not in cached)
+    missed = set().union(*(CACHE_READS.finish(d) for d in sorted({os.path.dirname(f) for f in files})))
+    if missed:
+        yield from _read_tensors(files, lambda layer, cached: layer in missed)
+
+
+def _read_tensors(files, wanted):
+    """The tensors of ``files`` that ``wanted(expert layer or None, layers read from the cache)`` takes."""
     pending: collections.deque = collections.deque()  # (name, future of its tensor, bytes)
     ahead = 0
     with contextlib.ExitStack() as stack:
         pool = stack.enter_context(ThreadPoolExecutor(READERS))
-        for path, name, entry, fd, data_start in _tensors_to_read(files, stack):
+        for path, name, entry, fd, data_start in _tensors_to_read(files, stack, wanted):
             dtype = TORCH_DTYPES.get(entry["dtype"])
             if dtype is None:
                 raise ValueError(f"{path}: tensor {name} has dtype {entry['dtype']}, which the kt_serve loader "
@@ -158,11 +192,11 @@ def _next_read(pending):
     return tensor.nbytes
 
 
-def _tensors_to_read(files, stack):
+def _tensors_to_read(files, stack, wanted):
     """(path, name, header entry, descriptor, data start) in read order; a new MoE layer's first tensor waits for
     room (IN_FLIGHT) before it is handed out."""
     for path in files:
-        skip = CACHED_LAYERS.of(os.path.dirname(path))
+        cached = CACHE_READS.of(os.path.dirname(path))
         header, data_start = read_header(path)
         header.pop("__metadata__", None)
         fd = os.open(path, os.O_RDONLY)
@@ -170,9 +204,9 @@ def _tensors_to_read(files, stack):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         for name, entry in sorted(header.items(), key=_layer_then_offset):
             layer = expert_layer(name)
+            if not wanted(layer, cached):
+                continue
             if layer is not None:
-                if layer in skip:
-                    continue
                 IN_FLIGHT.admit(layer)
             yield path, name, entry, fd, data_start
 
@@ -194,6 +228,8 @@ def replace_safetensors_iterator(original, hf_weights_files, *args, **kwargs):
             logger.warning("kt_serve: %s holds %s tensors, which the kt_serve checkpoint reader does not read: "
                            "SGLang's reader loads this checkpoint (no bound on the memory it stages)", path,
                            ", ".join(unknown))
+            for model_dir in sorted({os.path.dirname(f) for f in hf_weights_files}):
+                CACHE_READS.finish(model_dir)  # its reader gives every tensor: a layer not installed now packs
             return original(hf_weights_files, *args, **kwargs)
     return checkpoint_tensors(hf_weights_files)
 

@@ -133,15 +133,16 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
         from kt_serve.kernel import weight_cache
 
         _size_kernel_pool()
-        try:
-            experts = weight_cache.load(*self.cache, max_slots=self.adapters.experts.budget.kernel_slots)
+        try:  # the header here; the regions in the background, while SGLang reads the rest of the checkpoint
+            layer_read = weight_cache.open_layer(*self.cache, max_slots=self.adapters.experts.budget.kernel_slots)
         except weight_cache.CacheMiss as miss:
             if self.cache[0].exists():
                 logger.warning("kt_serve: packed-weight cache: MoE layer %d packed from the checkpoint again: %s",
                                layer.layer_id, miss)
             return
-        checkpoint.CACHED_LAYERS.add(model_dir, layer.layer_id)
-        self._install(layer, experts, f"read from the packed-weight cache {self.cache[0].parent}")
+        origin = f"read from the packed-weight cache {self.cache[0].parent}"
+        checkpoint.CACHE_READS.add(model_dir, layer.layer_id, layer_read,
+                                   lambda experts: self._install(layer, experts, origin))
 
     def _weight_loader(self, layer):
         def load(param, loaded_weight, weight_name=None, shard_id=None, expert_id=None, *args, **kwargs):
@@ -153,6 +154,8 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
             if not 0 <= expert_id < E:
                 raise ValueError(f"kt_serve: MoE layer {layer.layer_id}: checkpoint expert {expert_id} is outside "
                                  f"the layer's {E} experts")
+            if self.experts is not None:  # read from the cache (staging released): a loader that gives its tensors
+                return
             scale = param is getattr(layer, "w13_weight_scale_inv", None) or param is getattr(layer, "w2_weight_scale_inv", None)
             target = param.data[expert_id]
             if shard_id != "w2":  # gate rows first, then up, in w13 and in its scales
@@ -162,8 +165,6 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
             if tuple(target.shape) != tuple(loaded_weight.shape):
                 raise ValueError(f"kt_serve: MoE layer {layer.layer_id}: {weight_name} has shape "
                                  f"{tuple(loaded_weight.shape)}, expected {tuple(target.shape)}")
-            if self.experts is not None:  # read from the cache: a loader that does not skip its tensors
-                return
             target.copy_(loaded_weight)
             with self._loaded_lock:  # the tensor completing the layer packs it, once, whichever thread brings it
                 self._loaded.add((expert_id, shard_id, scale))
@@ -218,6 +219,8 @@ class KTRoutedExpertsMethod(FusedMoEMethodBase):
                     experts.weight_format, origin, experts.weight_bytes / 2**20, experts.isa)
 
     def process_weights_after_loading(self, layer) -> None:
+        if self.experts is None and self.cache is not None:  # a loader that bypassed the checkpoint reader
+            checkpoint.CACHE_READS.finish(served_model_dir())
         if self.experts is None:
             E = self.shape[0]
             want = 3 * E * (2 if self.fp8_block else 1)
