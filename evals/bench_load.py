@@ -6,9 +6,13 @@ format variants (from the cache); then the fits-or-refuses check with FP8 expert
     python evals/bench_load.py --out /tmp/bench_load                       # Qwen3-30B-A3B, FP8 checkpoint
     python evals/bench_load.py --out /tmp/bl --layers 8 --checkpoint bf16  # a slice, bf16
 
-The checkpoint: Qwen3-30B-A3B's shapes (48 layers, 128 experts top-8, moe_intermediate 768, hidden 2048, 32 q / 4 kv
-heads of 128, vocabulary 151,936), random weights, in the official FP8 layout (e4m3 projections with [128, 128]
-weight_scale_inv blocks, bf16 router / norms / embeddings / lm_head) or bf16; 4 GiB shards. Written once and reused.
+    python evals/bench_load.py --out /tmp/bl --preset deepseek-v3 --layers 4  # 3 dense layers + 1 MoE layer
+
+The checkpoint: a preset's full-size shapes (Qwen3-30B-A3B, DeepSeek-V3, Qwen3.5-35B-A3B; --layers cuts it to a
+slice), its tensors named and shaped as the family's checkpoints store them (transformers' model built on the meta
+device and renamed back to the on-disk layout), random weights, in the official FP8 layout (e4m3 projections with
+[128, 128] weight_scale_inv blocks, bf16 router / norms / embeddings / lm_head) or bf16; 4 GiB shards. Written once
+and reused.
 RSS is the scheduler process's (VmHWM: its peak since it started, read once the server answers; VmRSS after the
 decode runs). "bytes / token" is what one decode step reads: top-k experts of every layer in their packed format,
 the attention projections and routers, lm_head; "% of read" compares tok/s × bytes/token with a plain streaming read
@@ -36,12 +40,35 @@ from kt_serve import _kernel  # noqa: E402
 from kt_serve.formats.safetensors_io import SafetensorsWriter, write_json  # noqa: E402
 from kt_serve.harness.server import SGLangServer, ServerStartError  # noqa: E402
 from kt_serve.harness.tiny_model import build_tokenizer  # noqa: E402
-from kt_serve.kernel.weights import bytes_per_weight, expert_bytes  # noqa: E402
+from kt_serve.formats.checkpoint import expert_layer  # noqa: E402
+from kt_serve.kernel.weights import bytes_per_weight  # noqa: E402
 
+# Full-size shapes of the models users serve (random weights); --layers cuts any of them to a slice.
 PRESETS = {
-    "qwen3-30b-a3b": dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
-                          head_dim=128, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
-                          intermediate_size=6144, vocab_size=151936),
+    # Qwen3-30B-A3B: 48 layers, 128 experts top-8, moe_intermediate 768, 32 q / 4 kv heads of 128
+    "qwen3-30b-a3b": ("qwen3_moe", dict(
+        hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, intermediate_size=6144,
+        vocab_size=151936, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1000000.0,
+        max_position_embeddings=40960, tie_word_embeddings=False, rms_norm_eps=1e-6)),
+    # DeepSeek-V3 / V3.1 / R1: 61 layers (3 dense first), MLA (q_lora 1536, kv_lora 512, 128 heads), 256 routed
+    # experts top-8 + 1 shared, moe_intermediate 2048, sigmoid scores with grouped top-k (8 groups, 4 kept)
+    "deepseek-v3": ("deepseek_v3", dict(
+        hidden_size=7168, num_hidden_layers=61, first_k_dense_replace=3, intermediate_size=18432,
+        moe_intermediate_size=2048, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8,
+        topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_attention_heads=128,
+        num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, vocab_size=129280, max_position_embeddings=163840, tie_word_embeddings=False,
+        rms_norm_eps=1e-6, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                                            "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                                            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})),
+    # Qwen3.5-35B-A3B: 40 layers (three Gated DeltaNet, then one gated full attention), 256 experts top-8 + a
+    # shared expert, moe_intermediate 512, 16 q / 2 kv heads of 256, GDN 16 key / 32 value heads of 128
+    "qwen3.5-35b-a3b": ("qwen3_5_moe", dict(
+        hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+        moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=256, num_experts_per_tok=8,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, vocab_size=248320, max_position_embeddings=262144, rms_norm_eps=1e-6)),
 }
 SHARD_BYTES = 4 << 30
 BLOCK = 128
@@ -49,25 +76,57 @@ _F8 = torch.float8_e4m3fn
 
 
 # -- the checkpoint ----------------------------------------------------------------------------------------------
-def qwen3_moe_tensors(c: dict):
-    """(name, shape, projection?) of a Qwen3-MoE checkpoint, in the order HF shards it."""
-    H, hd, E, I = c["hidden_size"], c["head_dim"], c["num_experts"], c["moe_intermediate_size"]
-    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
-    yield "model.embed_tokens.weight", (c["vocab_size"], H), False
-    for L in range(c["num_hidden_layers"]):
-        p = f"model.layers.{L}."
-        yield p + "input_layernorm.weight", (H,), False
-        yield p + "post_attention_layernorm.weight", (H,), False
-        for name, shape in (("q_proj", (q, H)), ("k_proj", (kv, H)), ("v_proj", (kv, H)), ("o_proj", (H, q))):
-            yield p + f"self_attn.{name}.weight", shape, True
-        yield p + "self_attn.q_norm.weight", (hd,), False
-        yield p + "self_attn.k_norm.weight", (hd,), False
-        yield p + "mlp.gate.weight", (E, H), False
-        for e in range(E):
-            for name, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
-                yield p + f"mlp.experts.{e}.{name}.weight", shape, True
-    yield "model.norm.weight", (H,), False
-    yield "lm_head.weight", (c["vocab_size"], H), False
+def hf_config(family: str, fields: dict):
+    """The transformers config of a preset (Qwen3.5: the official multimodal layout, a small vision tower)."""
+    if family == "qwen3_5_moe":
+        from kt_serve.harness.tiny_model import FULL_ATTENTION_INTERVAL, _config
+
+        layers = fields["num_hidden_layers"]
+        config = _config(family, hidden_size=fields["hidden_size"], moe_intermediate_size=fields["moe_intermediate_size"],
+                       num_experts=fields["num_experts"], top_k=fields["num_experts_per_tok"], num_layers=layers,
+                       vocab_size=fields["vocab_size"],
+                       overrides=dict(fields, layer_types=[
+                           "full_attention" if (i + 1) % FULL_ATTENTION_INTERVAL == 0 else "linear_attention"
+                           for i in range(layers)]))
+        config.architectures = ["Qwen3_5MoeForConditionalGeneration"]
+        return config
+    from transformers import DeepseekV3Config, Qwen3MoeConfig
+
+    config = {"qwen3_moe": Qwen3MoeConfig, "deepseek_v3": DeepseekV3Config}[family](**fields)
+    config.architectures = [{"qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}[family]]
+    return config
+
+
+def checkpoint_layout(family: str, config) -> list[tuple[str, tuple]]:
+    """(name, shape) of every tensor as the family's checkpoints store them: the transformers model built on the
+    meta device (no memory), its state dict renamed back to the on-disk layout as save_pretrained writes it."""
+    from transformers import AutoModelForCausalLM, Qwen3_5MoeForConditionalGeneration
+    from transformers.core_model_loading import revert_weight_conversion
+
+    with torch.device("meta"):
+        model = (Qwen3_5MoeForConditionalGeneration(config) if family == "qwen3_5_moe"
+                 else AutoModelForCausalLM.from_config(config))
+    return [(name, tuple(t.shape)) for name, t in revert_weight_conversion(model, model.state_dict()).items()]
+
+
+def is_projection(name: str, shape: tuple) -> bool:
+    """A decoder layer's linear projection (attention, GDN, dense and shared MLPs, routed experts)."""
+    module = name.removesuffix(".weight").rsplit(".", 1)[-1]
+    return ".layers." in name and name.endswith(".weight") and "proj" in module and len(shape) == 2 and "visual" not in name
+
+
+def is_fp8(name: str, shape: tuple) -> bool:
+    """Quantized in the official FP8 releases: the decoder layers' linear projections (attention, dense and shared
+    MLPs, routed experts: every ``*proj*`` module) of whole 128-row blocks, and DeepSeek's kv_a_proj_with_mqa (576
+    rows); embeddings, norms, routers, lm_head and projections of fewer rows (Qwen3.5's in_proj_b / in_proj_a,
+    which SGLang merges and cannot block-quantize) stay bf16."""
+    return is_projection(name, shape) and (shape[0] % BLOCK == 0 or name.endswith("kv_a_proj_with_mqa.weight"))
+
+
+def bf16_projections(layout) -> list[str]:
+    """The decoder-layer projections left bf16 in an FP8 checkpoint (its modules_to_not_convert)."""
+    return sorted(name.removesuffix(".weight") for name, shape in layout
+                  if is_projection(name, shape) and not is_fp8(name, shape))
 
 
 class RandomPool:
@@ -91,15 +150,22 @@ class RandomPool:
         return pool[self.next:self.next + n].reshape(shape)
 
 
-def write_checkpoint(out: Path, config: dict, fp8: bool) -> Path:
-    """A Qwen3-MoE checkpoint of ``config``'s shapes under out (reused if its config matches)."""
-    hf = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_act="silu", torch_dtype="bfloat16",
-              rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False,
-              norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], attention_bias=False,
-              bos_token_id=151643, eos_token_id=151645, **config)
+def write_checkpoint(out: Path, family: str, config, fp8: bool) -> Path:
+    """A checkpoint of ``config``'s shapes under out (reused if its config matches)."""
+    from kt_serve.harness.tiny_model import _processor
+
+    hf = config.to_dict()
+    layout = checkpoint_layout(family, config)
     if fp8:
         hf["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                      "weight_block_size": [BLOCK, BLOCK]}
+        if bf16_projections(layout):
+            hf["quantization_config"]["modules_to_not_convert"] = bf16_projections(layout)
+    if family == "qwen3_5_moe":  # SGLang reads the interval, transformers the layer types
+        from kt_serve.harness.tiny_model import FULL_ATTENTION_INTERVAL
+
+        hf["text_config"]["full_attention_interval"] = FULL_ATTENTION_INTERVAL
+    hf = json.loads(json.dumps(hf))
     if (out / "config.json").exists() and json.loads((out / "config.json").read_text()) == hf:
         return out
     shutil.rmtree(out, ignore_errors=True)
@@ -109,8 +175,8 @@ def write_checkpoint(out: Path, config: dict, fp8: bool) -> Path:
     pool = RandomPool()
     scale = torch.full((1,), 0.05 / 448)
     entries = []
-    for name, shape, proj in qwen3_moe_tensors(hf):
-        if fp8 and proj:
+    for name, shape in layout:
+        if fp8 and is_fp8(name, shape):
             entries.append((name, _F8, shape))
             entries.append((name + "_scale_inv", torch.float32, (-(-shape[0] // BLOCK), -(-shape[1] // BLOCK))))
         else:
@@ -138,12 +204,15 @@ def write_checkpoint(out: Path, config: dict, fp8: bool) -> Path:
                 t = pool.take(pool.fp8 if dtype == _F8 else pool.bf16, shape)
             if name.endswith("norm.weight"):
                 t = torch.ones(shape, dtype=torch.bfloat16)
+            elif name.endswith("e_score_correction_bias"):
+                t = torch.zeros(shape, dtype=torch.bfloat16)
             writer.write(name, t)
             weight_map[name] = fname
         writer.close()
         print(f"  {fname}: {len(shard)} tensors ({time.perf_counter() - t0:.0f} s)", flush=True)
     write_json(tmp / "model.safetensors.index.json", {"metadata": {}, "weight_map": weight_map})
-    build_tokenizer(1000).save_pretrained(tmp)
+    tokenizer = build_tokenizer(1000)
+    (_processor(tokenizer) if family == "qwen3_5_moe" else tokenizer).save_pretrained(tmp)  # SGLang opens a VLM's processor
     (tmp / "config.json").write_text(json.dumps(hf, indent=2))
     tmp.rename(out)
     return out
@@ -184,13 +253,25 @@ def start(model: Path, flags: list, label: str, decode: bool, log_dir: Path) -> 
     return row
 
 
-def bytes_per_token(c: dict, expert_fmt: str, dense_fmt: str, head_fmt: str, group: int = 128) -> float:
-    H, hd, I = c["hidden_size"], c["head_dim"], c["moe_intermediate_size"]
-    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
-    attn = (q + 2 * kv) * H * bytes_per_weight(dense_fmt, H, group) + H * q * bytes_per_weight(dense_fmt, q, group)
-    experts = c["num_experts_per_tok"] * expert_bytes(H, I, expert_fmt, group)
-    router = c["num_experts"] * H * 2
-    return c["num_hidden_layers"] * (attn + experts + router) + c["vocab_size"] * H * bytes_per_weight(head_fmt, H, group)
+def bytes_per_token(layout, fields: dict, expert_fmt: str, dense_fmt: str, head_fmt: str, group: int = 128) -> float:
+    """What one decode step reads: the top-k share of the routed experts in their format, the decoder layers'
+    projections in the dense format, lm_head in its own, every other layer tensor (norms, routers, GDN state
+    parameters) in bf16; the embedding's one row and the vision tower not at all."""
+    share = fields["num_experts_per_tok"] / (fields.get("num_experts") or fields["n_routed_experts"])
+    total = 0.0
+    for name, shape in layout:
+        n = 1
+        for d in shape:
+            n *= d
+        if expert_layer(name) is not None:
+            total += share * n * bytes_per_weight(expert_fmt, shape[-1], group)
+        elif name.endswith("lm_head.weight"):
+            total += n * bytes_per_weight(head_fmt, shape[-1], group)
+        elif is_projection(name, shape):
+            total += n * bytes_per_weight(dense_fmt, shape[-1], group)
+        elif ".layers." in name and "visual" not in name:
+            total += 2 * n
+    return total
 
 
 def main(argv=None) -> int:
@@ -203,14 +284,17 @@ def main(argv=None) -> int:
     ap.add_argument("--dense-dtype", default="int8")
     ap.add_argument("--skip-refusal", action="store_true")
     args = ap.parse_args(argv)
-    config = dict(PRESETS[args.preset])
+    family, fields = PRESETS[args.preset]
+    fields = dict(fields)
     if args.layers:
-        config["num_hidden_layers"] = args.layers
+        fields["num_hidden_layers"] = args.layers
+    config = hf_config(family, fields)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    model = write_checkpoint(out / f"{args.preset}-{config['num_hidden_layers']}l-{args.checkpoint}", config,
+    model = write_checkpoint(out / f"{args.preset}-{fields['num_hidden_layers']}l-{args.checkpoint}", family, config,
                              args.checkpoint == "fp8")
+    layout = checkpoint_layout(family, config)
     disk = sum(f.stat().st_size for f in model.glob("*.safetensors"))
     print(f"checkpoint {model}: {disk / 1e9:.1f} GB ({time.perf_counter() - t0:.0f} s)", flush=True)
     print(f"CPU: {cpu_model()}; kernel isa {_kernel.cpu_isa()}; {os.cpu_count()} cores", flush=True)
@@ -219,8 +303,12 @@ def main(argv=None) -> int:
     flags = lambda dense, head: ["--kt-expert-dtype", args.expert_dtype, "--kt-dense-dtype", dense,  # noqa: E731
                                  "--kt-lm-head-dtype", head, "--kt-weight-cache", str(cache)]
     base = flags(args.dense_dtype, "bf16")
-    rows = [start(model, base, "first start (cache empty)", True, out),
-            start(model, base, "second start (cache)", True, out)]
+    try:
+        first = start(model, base, "first start (cache empty)", True, out)
+    except ServerStartError as exc:  # refused at start (it would not fit this host), or failed: nothing to compare
+        print(next((ln for ln in str(exc).splitlines() if "will not fit" in ln), str(exc)), flush=True)
+        return 1
+    rows = [first, start(model, base, "second start (cache)", True, out)]
     layer_files = sorted(cache.rglob("layer_*.safetensors"))
     victim = layer_files[min(7, len(layer_files) - 1)]
     data = bytearray(victim.read_bytes()[-4096:])
@@ -243,14 +331,14 @@ def main(argv=None) -> int:
             line = next((ln for ln in str(exc).splitlines() if "will not fit" in ln), str(exc).splitlines()[-1])
             refusal = (line.strip(), time.perf_counter() - t)
     print(f"\nCPU: {cpu_model()}; kernel isa {_kernel.cpu_isa()}; checkpoint {args.checkpoint} "
-          f"{config['num_hidden_layers']} layers, {disk / 1e9:.1f} GB on disk; streaming read {bw:.1f} GB/s\n")
+          f"{fields['num_hidden_layers']} layers, {disk / 1e9:.1f} GB on disk; streaming read {bw:.1f} GB/s\n")
     print("| start | ready (s) | peak RSS while loading (GiB) | settled RSS (GiB) | peak / settled | MoE layers read "
           "from cache / packed | 1-stream tok/s | bytes / token (GB) | % of read | greedy = first start's |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         flags = row["flags"]
         fmt = lambda flag, default: (flags.split(flag + " ")[1].split()[0] if flag + " " in flags else default)  # noqa: E731
-        bpt = bytes_per_token(config, fmt("--kt-expert-dtype", "bf16"), fmt("--kt-dense-dtype", "bf16"),
+        bpt = bytes_per_token(layout, fields, fmt("--kt-expert-dtype", "bf16"), fmt("--kt-dense-dtype", "bf16"),
                               fmt("--kt-lm-head-dtype", "bf16"))
         tok_s = row.get("tok_s")
         print(f"| {row['start']} ({flags.split(' --kt-weight-cache')[0]}) "
