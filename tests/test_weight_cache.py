@@ -100,6 +100,34 @@ def test_stale_truncated_or_corrupt_files_are_refused_with_the_reason(tmp_path, 
         weight_cache.load(path, key(fmt))
 
 
+def test_a_read_error_is_a_cache_miss_and_no_read_outlives_it(tmp_path, monkeypatch):
+    """An I/O error on the cache disk makes the layer packed from the checkpoint again (a CacheMiss naming it),
+    not a failed start; and the error is raised only once every other read into the layer's memory is done."""
+    import threading
+    import time
+
+    path = tmp_path / "layer_0000.safetensors"
+    weight_cache.store(path, experts("int4", (8, 1024, 1056)), key("int4", (8, 1024, 1056)))
+    real, calls, finished = weight_cache.pread_into, [], []
+    lock = threading.Lock()
+
+    def failing_then_slow(fd, part, offset):  # the first chunk's sectors are bad, direct or buffered
+        with lock:
+            calls.append(offset)
+        if offset == calls[0]:
+            raise OSError(5, "Input/output error")
+        time.sleep(0.05)
+        got = real(fd, part, offset)
+        finished.append(offset)
+        return got
+
+    monkeypatch.setattr(weight_cache, "pread_into", failing_then_slow)
+    monkeypatch.setattr(weight_cache, "CHUNK", 1 << 20)  # several reads a region
+    with pytest.raises(weight_cache.CacheMiss, match=r"layer_0000.safetensors: unreadable \(.*Input/output error"):
+        weight_cache.load(path, key("int4", (8, 1024, 1056)))
+    assert len(set(calls)) > 2 and len(finished) == len([c for c in calls if c != calls[0]])
+
+
 def test_a_write_that_fails_leaves_no_file(tmp_path, monkeypatch):
     path = tmp_path / "layer_0000.safetensors"
 

@@ -18,7 +18,7 @@ import logging
 import os
 import shutil
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -238,7 +238,9 @@ def _read_regions(path: Path, jobs) -> bool:
             return handle is direct and pread_into(fd, part, offset + start) == length
 
     try:
-        return all([f.result() for f in [_readers().submit(read, chunk) for chunk in chunks]])
+        reads = [_readers().submit(read, chunk) for chunk in chunks]
+        wait(reads)  # every read done before any error is raised: none may still write into the regions after
+        return all(f.result() for f in reads)
     finally:
         os.close(fd)
         if direct is not None:
