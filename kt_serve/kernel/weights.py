@@ -180,6 +180,15 @@ def fp8_to_bf16(w: torch.Tensor, scale_inv: torch.Tensor, weight_block_size: Opt
     return out
 
 
+def dequantize_fp8_to(w: torch.Tensor, scale_inv: torch.Tensor, weight_block_size: Optional[Sequence[int]],
+                      dtype: torch.dtype) -> torch.Tensor:
+    """:func:`dequantize_fp8` in ``dtype``: a 2-D matrix to bf16 in the kernel (:func:`fp8_to_bf16`), anything else
+    through torch."""
+    if dtype == torch.bfloat16 and w.dim() == 2 and w.is_contiguous():
+        return fp8_to_bf16(w, scale_inv.float().contiguous(), weight_block_size)
+    return dequantize_fp8(w, scale_inv, weight_block_size).to(dtype)
+
+
 def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, weight_block_size: Optional[Sequence[int]]) -> torch.Tensor:
     """fp32 ``w · scale`` of an FP8 block-quantized matrix ``[..., N, K]`` with ``scale_inv`` ``[..., ceil(N/bn),
     ceil(K/bk)]`` (the checkpoint layout)."""

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kt_serve.kernel.weights import dequantize_fp8
+from kt_serve.kernel.weights import dequantize_fp8_to
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 
@@ -81,7 +81,7 @@ class Fp8Checkpoint:
         for path, module in model.named_modules():
             key = f"{path}.weight"
             if isinstance(module, torch.nn.Linear) and f"{path}.weight_scale_inv" in self.files:
-                w = dequantize_fp8(self.tensor(key), self.tensor(f"{path}.weight_scale_inv"), self.block)
-                module.weight.copy_(w.to(module.weight.dtype))
+                module.weight.copy_(dequantize_fp8_to(self.tensor(key), self.tensor(f"{path}.weight_scale_inv"),
+                                                      self.block, module.weight.dtype))
                 n += 1
         return n

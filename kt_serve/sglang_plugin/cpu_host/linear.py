@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from sglang.srt.layers.quantization.fp8 import Fp8LinearMethod
 
-from kt_serve.kernel.weights import dequantize_fp8, fp8_to_bf16
+from kt_serve.kernel.weights import dequantize_fp8_to
 
 from ..config import get_config
 from ..log import log_once
@@ -165,11 +165,7 @@ class DequantizedFp8LinearMethod(Fp8LinearMethod):
         if not hasattr(layer, "weight_scale_inv"):
             return  # already dequantized (see dequantize_before_deepseek_post_load)
         dtype = getattr(layer, "orig_dtype", None) or torch.bfloat16
-        w, scale = layer.weight.data, layer.weight_scale_inv.data
-        if dtype == torch.bfloat16 and w.dim() == 2 and w.is_contiguous() and scale.is_contiguous():
-            weight = fp8_to_bf16(w, scale.float(), self.weight_block_size)
-        else:
-            weight = dequantize_fp8(w, scale, self.weight_block_size).to(dtype)
+        weight = dequantize_fp8_to(layer.weight.data, layer.weight_scale_inv.data, self.weight_block_size, dtype)
         layer.weight = torch.nn.Parameter(weight, requires_grad=False)
         del layer.weight_scale_inv
 
