@@ -32,12 +32,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from evals.bench_serving import PRESETS, percentile, stream_prompt  # noqa: E402  (puts tests/ on sys.path)
+from evals.bench_serving import PRESETS, build_preset_model, percentile, stream_prompt  # noqa: E402  (puts tests/ on sys.path)
 from evals.bench_kernel import cpu_model  # noqa: E402
 from kt_serve.harness.reference import write_kt_adapter  # noqa: E402
 from kt_serve.harness.report import markdown_table, write_report  # noqa: E402
 from kt_serve.harness.server import SGLangServer  # noqa: E402
-from kt_serve.harness.tiny_model import build_tiny_moe  # noqa: E402
 from kt_serve.kernel.threads import cpu_isa  # noqa: E402
 
 
@@ -109,11 +108,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     p = PRESETS[a.preset]
     out = Path(a.out or tempfile.mkdtemp(prefix="kt_bench_pool_"))
-    attention = {} if p["heads"] is None else dict(num_attention_heads=p["heads"][0],
-                                                   num_key_value_heads=p["heads"][1], head_dim=p["heads"][2])
-    model = str(build_tiny_moe(out / "model", p["family"], hidden_size=p["hidden"],
-                               moe_intermediate_size=p["moe_intermediate"], num_experts=p["experts"],
-                               top_k=p["top_k"], num_layers=p["layers"], vocab_size=p["vocab"], **attention))
+    model = build_preset_model(out / "model", p)
     names = [f"a{i}" for i in range(a.adapters)]
     paths = {name: write_kt_adapter(out / name, model, seed=10 + i, rank=8, alpha=16.0) for i, name in enumerate(names)}
     common = ["--enable-lora", "--lora-backend", "torch_native", "--max-loras-per-batch", str(a.resident),

@@ -1,6 +1,6 @@
 """Serving benchmark: decode tok/s and peak server RSS, kt_serve plugin vs SGLang's own CPU MoE path, one run.
 
-    python evals/bench_serving.py [--out DIR] [--preset small|qwen3-30b-a3b|qwen3_5-moe] [--family F] [--layers N] [--tokens 64] [--streams 1 8] [--llama-server PATH]
+    python evals/bench_serving.py [--out DIR] [--preset small|qwen3-30b-a3b|qwen3_5-moe|qwen3_5-35b-a3b] [--family F] [--layers N] [--tokens 64] [--streams 1 8] [--llama-server PATH]
                                   [--hidden H --moe-intermediate I --experts E --top-k K --vocab V]
 
 Presets (single flags override them):
@@ -9,6 +9,9 @@ Presets (single flags override them):
   qwen3_5-moe    the small shape as a Qwen3.5-MoE (3 Gated DeltaNet linear-attention layers to 1 full-attention
                  layer, shared expert); its rows add "kt moe off" (the plugin's CPU GDN ops, SGLang's MoE) and drop
                  "sglang" (stock SGLang cannot import Qwen3.5 on a CPU host)
+  qwen3_5-35b-a3b  Qwen3.5-35B-A3B's layer shapes (3 Gated DeltaNet layers of 16 key / 32 value heads of 128, one
+                 gated-attention layer of 16 q / 2 kv heads of 256, 256 experts top-8 of 512, shared expert 512) with a
+                 16k vocabulary; one server at a time
   qwen3-30b-a3b  Qwen3-30B-A3B's exact layer shapes (hidden 2048, 32 q / 4 kv heads of 128, 128 experts top-8,
                  moe_intermediate 768) with 4 layers and a 16k vocabulary, so lm_head keeps about its share of the
                  bytes per token of the 48-layer model and weight streaming dominates as in the real one. Its
@@ -290,8 +293,8 @@ def llama_cpp_models(out: Path, model: str, expert: Path, comp_a: Path, comp_b: 
     return llama, gguf, adapters
 
 
-# name: model shape (attention as (q heads, kv heads, head dim); None: the tiny model's 4 / 2 of hidden/4), and
-# whether its servers must run one at a time.
+# name: model shape (attention as (q heads, kv heads, head dim); None: the tiny model's 4 / 2 of hidden/4; config:
+# further transformers config fields), and whether its servers must run one at a time.
 PRESETS = {
     "small": dict(hidden=1024, moe_intermediate=512, experts=64, top_k=8, layers=8, vocab=1024, heads=None,
                   sequential=False, family="qwen3_moe"),
@@ -300,7 +303,23 @@ PRESETS = {
     # Qwen3.5-MoE, medium: 6 Gated DeltaNet + 2 gated full-attention layers (3:1), shared expert, MoE everywhere.
     "qwen3_5-moe": dict(hidden=1024, moe_intermediate=512, experts=64, top_k=8, layers=8, vocab=1024, heads=None,
                         sequential=False, family="qwen3_5_moe"),
+    # Qwen3.5-35B-A3B's layer shapes: 3 Gated DeltaNet (16 key / 32 value heads of 128) + 1 gated attention layer
+    # (16 q / 2 kv heads of 256), 256 experts top-8 of 512, a shared expert of 512; a 16k vocabulary
+    "qwen3_5-35b-a3b": dict(hidden=2048, moe_intermediate=512, experts=256, top_k=8, layers=4, vocab=16384,
+                            heads=(16, 2, 256), sequential=True, family="qwen3_5_moe",
+                            config=dict(linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                                        linear_value_head_dim=128, shared_expert_intermediate_size=512)),
 }
+
+
+def build_preset_model(path: Path, p: dict) -> str:
+    """The random model of a preset's shape (``p``: a PRESETS entry, single fields possibly overridden)."""
+    config = dict(p.get("config") or {})
+    if p.get("heads") is not None:
+        config.update(num_attention_heads=p["heads"][0], num_key_value_heads=p["heads"][1], head_dim=p["heads"][2])
+    return str(build_tiny_moe(path, p["family"], hidden_size=p["hidden"], moe_intermediate_size=p["moe_intermediate"],
+                              num_experts=p["experts"], top_k=p["top_k"], num_layers=p["layers"], vocab_size=p["vocab"],
+                              **config))
 
 
 def main(argv=None):
@@ -344,11 +363,7 @@ def main(argv=None):
         moe_rows = pool.submit(moe_layer_bench, a).result()
     if a.moe_only:
         return
-    attention = {} if a.heads is None else dict(num_attention_heads=a.heads[0], num_key_value_heads=a.heads[1],
-                                                  head_dim=a.heads[2])
-    model = str(build_tiny_moe(out / "model", a.family, hidden_size=a.hidden, moe_intermediate_size=a.moe_intermediate,
-                               num_experts=a.experts, top_k=a.top_k, num_layers=a.layers, vocab_size=a.vocab,
-                               **attention))
+    model = build_preset_model(out / "model", vars(a))
     if qwen35:
         from qwen35_adapters import write_qwen35_adapter
 

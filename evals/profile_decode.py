@@ -37,10 +37,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serving import PRESETS, stream_prompt  # noqa: E402
+from bench_serving import PRESETS, build_preset_model, stream_prompt  # noqa: E402
 
 from kt_serve.harness.server import SGLangServer  # noqa: E402
-from kt_serve.harness.tiny_model import build_tiny_moe  # noqa: E402
 
 PY_SPY = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
 # Part of the step -> frame names (py-spy's function names) whose inclusive samples it takes, first match wins.
@@ -210,11 +209,7 @@ def main(argv=None):
     out = Path(a.out or tempfile.mkdtemp(prefix="kt_profile_"))
     model = out / "model"
     if not (model / "config.json").is_file():
-        attention = {} if p["heads"] is None else dict(num_attention_heads=p["heads"][0],
-                                                      num_key_value_heads=p["heads"][1], head_dim=p["heads"][2])
-        build_tiny_moe(model, p["family"], hidden_size=p["hidden"], moe_intermediate_size=p["moe_intermediate"],
-                       num_experts=p["experts"], top_k=p["top_k"], num_layers=p["layers"], vocab_size=p["vocab"],
-                       **attention)
+        build_preset_model(model, p)
     results = {s: profile(str(model), s, a.seconds, a.server_args, out / f"server_{s}.log",
                           out / f"calls_{s}" if a.call_times or a.timers else None, py_spy=not a.timers)
                for s in a.streams}
