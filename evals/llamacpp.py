@@ -30,15 +30,22 @@ CACHE = Path(os.environ.get("KT_SERVE_CACHE", Path.home() / ".cache" / "kt_serve
 
 # convert_hf_to_gguf.py identifies a tokenizer by hashing its output and refuses unknown ones; our home-made
 # byte-level BPE gets the name of the Qwen2 pre-tokenizer (the benchmark sends token ids, so only the model matters).
+# Qwen3.5 / Qwen3-Next models are converted without MTP layers (the converters expect them; our checkpoints have
+# none): the model converter's --no-mtp, set on the classes both converters share.
 _CONVERT = """
-import sys
+import runpy, sys
 sys.path.insert(0, {src!r})
-import convert_hf_to_gguf as c
-from conversion.base import TextModel
+from conversion.base import ModelBase, TextModel
 TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
-sys.argv = ["convert_hf_to_gguf.py", *{args!r}]
-c.main()
+ModelBase.no_mtp = {no_mtp!r}
+sys.argv = [{script!r}, *{args!r}]
+runpy.run_path({script!r}, run_name="__main__")
 """
+
+
+def _without_mtp(model_dir: Path) -> bool:
+    architecture = (json.loads((model_dir / "config.json").read_text()).get("architectures") or [""])[0]
+    return architecture.startswith(("Qwen3_5", "Qwen3Next"))
 
 
 class LlamaCppUnavailable(RuntimeError):
@@ -118,11 +125,15 @@ class LlamaCpp:
         env["PYTHONPATH"] = os.pathsep.join([str(self.src / "gguf-py"), env.get("PYTHONPATH", "")])
         return env
 
+    def _converter(self, script: str, args: list[str], model_dir: Path) -> str:
+        return _CONVERT.format(src=str(self.src), script=str(self.src / script), args=args,
+                               no_mtp=_without_mtp(model_dir))
+
     def convert_model(self, model_dir: Path, out: Path) -> Path:
         """The checkpoint as a BF16 GGUF, by llama.cpp's own converter."""
         if not out.is_file():
             args = [str(model_dir), "--outfile", str(out) + ".partial", "--outtype", "bf16"]
-            _run([sys.executable, "-c", _CONVERT.format(src=str(self.src), args=args)],
+            _run([sys.executable, "-c", self._converter("convert_hf_to_gguf.py", args, model_dir)],
                  f"convert_hf_to_gguf.py {model_dir}", out.with_suffix(".log"), env=self._python_env())
             Path(str(out) + ".partial").rename(out)
         return out
@@ -130,8 +141,8 @@ class LlamaCpp:
     def convert_adapter(self, adapter_dir: Path, model_dir: Path, out: Path) -> Path:
         """A PEFT adapter (per-expert keys for expert LoRA) as a GGUF LoRA, by llama.cpp's own converter."""
         if not out.is_file():
-            _run([sys.executable, str(self.src / "convert_lora_to_gguf.py"), str(adapter_dir), "--base",
-                  str(model_dir), "--outfile", str(out) + ".partial", "--outtype", "bf16"],
+            args = [str(adapter_dir), "--base", str(model_dir), "--outfile", str(out) + ".partial", "--outtype", "bf16"]
+            _run([sys.executable, "-c", self._converter("convert_lora_to_gguf.py", args, model_dir)],
                  f"convert_lora_to_gguf.py {adapter_dir}", out.with_suffix(".log"), env=self._python_env())
             Path(str(out) + ".partial").rename(out)
         return out
