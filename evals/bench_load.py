@@ -78,16 +78,12 @@ _F8 = torch.float8_e4m3fn
 # -- the checkpoint ----------------------------------------------------------------------------------------------
 def hf_config(family: str, fields: dict):
     """The transformers config of a preset (Qwen3.5: the official multimodal layout, a small vision tower)."""
-    if family == "qwen3_5_moe":
-        from kt_serve.harness.tiny_model import FULL_ATTENTION_INTERVAL, _config
+    if family == "qwen3_5_moe":  # tiny_model's config builder sets the layer types (one full attention in four)
+        from kt_serve.harness.tiny_model import _config
 
-        layers = fields["num_hidden_layers"]
         config = _config(family, hidden_size=fields["hidden_size"], moe_intermediate_size=fields["moe_intermediate_size"],
-                       num_experts=fields["num_experts"], top_k=fields["num_experts_per_tok"], num_layers=layers,
-                       vocab_size=fields["vocab_size"],
-                       overrides=dict(fields, layer_types=[
-                           "full_attention" if (i + 1) % FULL_ATTENTION_INTERVAL == 0 else "linear_attention"
-                           for i in range(layers)]))
+                         num_experts=fields["num_experts"], top_k=fields["num_experts_per_tok"],
+                         num_layers=fields["num_hidden_layers"], vocab_size=fields["vocab_size"], overrides=fields)
         config.architectures = ["Qwen3_5MoeForConditionalGeneration"]
         return config
     from transformers import DeepseekV3Config, Qwen3MoeConfig
@@ -150,12 +146,12 @@ class RandomPool:
         return pool[self.next:self.next + n].reshape(shape)
 
 
-def write_checkpoint(out: Path, family: str, config, fp8: bool) -> Path:
-    """A checkpoint of ``config``'s shapes under out (reused if its config matches)."""
+def write_checkpoint(out: Path, family: str, config, layout, fp8: bool) -> Path:
+    """A checkpoint of ``config``'s shapes (``layout``: checkpoint_layout's) under out (reused if its config
+    matches)."""
     from kt_serve.harness.tiny_model import _processor
 
     hf = config.to_dict()
-    layout = checkpoint_layout(family, config)
     if fp8:
         hf["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                      "weight_block_size": [BLOCK, BLOCK]}
@@ -292,9 +288,9 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    model = write_checkpoint(out / f"{args.preset}-{fields['num_hidden_layers']}l-{args.checkpoint}", family, config,
-                             args.checkpoint == "fp8")
     layout = checkpoint_layout(family, config)
+    model = write_checkpoint(out / f"{args.preset}-{fields['num_hidden_layers']}l-{args.checkpoint}", family, config,
+                             layout, args.checkpoint == "fp8")
     disk = sum(f.stat().st_size for f in model.glob("*.safetensors"))
     print(f"checkpoint {model}: {disk / 1e9:.1f} GB ({time.perf_counter() - t0:.0f} s)", flush=True)
     print(f"CPU: {cpu_model()}; kernel isa {_kernel.cpu_isa()}; {os.cpu_count()} cores", flush=True)
