@@ -14,6 +14,7 @@
 #include "moe/dropout.h"
 #include "moe/experts.h"
 #include "moe/router.h"
+#include "ops/activation.h"
 #include "ops/attention.h"
 #include "ops/decode_stack.h"
 #include "ops/gdn.h"
@@ -285,60 +286,134 @@ PYBIND11_MODULE(_kernel, m) {
                                softplus_threshold, ptr<bf16>(out));
       },
       "One recurrent gated delta-rule step per request, states updated in place; see csrc/ops/gdn.h");
-  py::class_<kt::DecodeStack>(m, "DecodeStack")
-      .def(py::init([](int H, int Hq, int Hkv, int D, uintptr_t final_norm, float final_eps, const std::string& isa) {
-             return new kt::DecodeStack(H, Hq, Hkv, D, ptr<const bf16>(final_norm), final_eps,
-                                        kt::select_kernels(isa.c_str()));
+  m.def(
+      "rms_norm_heads",
+      [](int T, int heads, int D, uintptr_t x, int64_t ld, uintptr_t w, bool gemma, float eps) {
+        py::gil_scoped_release nogil;
+        if (gemma)
+          kt::rms_norm_heads_gemma(T, heads, D, ptr<bf16>(x), ld, ptr<const float>(w), eps);
+        else
+          kt::rms_norm_heads(T, heads, D, ptr<bf16>(x), ld, ptr<const bf16>(w), eps);
+      },
+      "RMSNorm of every head in place, w bf16 or (gemma) fp32 1 + w; see csrc/ops/norm.h");
+  m.def(
+      "sigmoid_mul",
+      [](int64_t n, uintptr_t x, uintptr_t gate) {
+        py::gil_scoped_release nogil;
+        kt::sigmoid_mul(n, ptr<bf16>(x), ptr<const bf16>(gate));
+      },
+      "x *= sigmoid(gate) in place, fp32; see csrc/ops/activation.h");
+  m.def(
+      "silu_mul",
+      [](int M, int I, uintptr_t gu, int64_t ldg, uintptr_t out, int64_t ldo, const std::string& isa) {
+        const kt::Kernels& k = kt::select_kernels(isa.c_str());
+        py::gil_scoped_release nogil;
+        kt::silu_mul(M, I, ptr<const bf16>(gu), ldg, ptr<bf16>(out), ldo, k);
+      },
+      "SiluAndMul, fp32; see csrc/ops/activation.h");
+  m.def(
+      "shared_expert_gate_add",
+      [](int M, int H, uintptr_t x, uintptr_t w, uintptr_t delta, uintptr_t shared, uintptr_t out) {
+        py::gil_scoped_release nogil;
+        kt::shared_expert_gate_add(M, H, ptr<const bf16>(x), ptr<const bf16>(w), ptr<const float>(delta),
+                                   ptr<const bf16>(shared), ptr<bf16>(out));
+      },
+      "out += sigmoid(x . w + delta) * shared; see csrc/ops/activation.h");
+  // DecodeStack's parts: plain values holding raw pointers; kt_serve/kernel/decode_stack.py keeps their tensors
+  // and packed layers alive as long as the stack.
+  py::class_<kt::NormWeight>(m, "NormWeight")
+      .def(py::init([](uintptr_t w, uintptr_t w1, float eps) {
+             return kt::NormWeight{ptr<const bf16>(w), ptr<const float>(w1), eps};
            }),
-           py::arg("hidden"), py::arg("q_heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("final_norm"),
-           py::arg("final_eps"), py::arg("isa") = "auto")
-      .def("add_layer",
-           [](kt::DecodeStack& s, uintptr_t input_norm, float input_eps, const kt::PackedLinear& qkv, uintptr_t qkv_bias,
-              uintptr_t q_norm, float q_eps, uintptr_t k_norm, float k_eps, uintptr_t cos_sin, int64_t max_position,
+           py::arg("w"), py::arg("w1"), py::arg("eps"));
+  py::class_<kt::Projection>(m, "Projection")
+      .def(py::init([](const kt::PackedLinear* w, uintptr_t bias) {
+             return kt::Projection{w, ptr<const float>(bias), {}};
+           }),
+           py::arg("w"), py::arg("bias") = 0);
+  py::class_<kt::MoEBlock>(m, "MoEBlock")
+      .def(py::init([](const kt::PackedLinear& gate, kt::MoEExperts& experts, int top_k, bool renormalize,
+                       const kt::Projection* shared_gate_up, const kt::Projection* shared_down,
+                       uintptr_t shared_expert_gate) {
+             kt::MoEBlock b{&gate, &experts, top_k, renormalize, {}, {}, ptr<const bf16>(shared_expert_gate)};
+             if (shared_gate_up) b.shared_gate_up = *shared_gate_up;
+             if (shared_down) b.shared_down = *shared_down;
+             return b;
+           }),
+           py::arg("gate"), py::arg("experts"), py::arg("top_k"), py::arg("renormalize"),
+           py::arg("shared_gate_up") = nullptr, py::arg("shared_down") = nullptr, py::arg("shared_expert_gate") = 0);
+  py::class_<kt::DecodeStack>(m, "DecodeStack")
+      .def(py::init([](int H, const kt::NormWeight& final_norm, const std::string& isa) {
+             return new kt::DecodeStack(H, final_norm, kt::select_kernels(isa.c_str()));
+           }),
+           py::arg("hidden"), py::arg("final_norm"), py::arg("isa") = "auto")
+      .def("add_attention_layer",
+           [](kt::DecodeStack& s, const kt::NormWeight& input_norm, const kt::NormWeight& post_norm,
+              const kt::Projection& qkv, const kt::Projection& o, int Hq, int Hkv, int D, bool output_gate,
+              const kt::NormWeight& q_norm, const kt::NormWeight& k_norm, uintptr_t cos_sin, int64_t max_position,
               int rotary_dim, bool neox, uintptr_t k_cache, int64_t ldk, uintptr_t v_cache, int64_t ldv,
-              int64_t cache_slots, float scale, const kt::PackedLinear& o_proj, uintptr_t o_bias, uintptr_t post_norm,
-              float post_eps, const kt::PackedLinear& gate, kt::MoEExperts& experts, int top_k, bool renormalize) {
-             s.add_layer(kt::DecoderLayer{ptr<const bf16>(input_norm), input_eps, &qkv, ptr<const float>(qkv_bias),
-                                          ptr<const bf16>(q_norm), q_eps, ptr<const bf16>(k_norm), k_eps,
-                                          ptr<const float>(cos_sin), max_position, rotary_dim, neox, ptr<bf16>(k_cache),
-                                          ldk, ptr<bf16>(v_cache), ldv, cache_slots, scale, &o_proj,
-                                          ptr<const float>(o_bias), ptr<const bf16>(post_norm), post_eps, &gate,
-                                          &experts, top_k, renormalize});
-           },
-           // the stack holds raw pointers to these: they live as long as it does
-           py::keep_alive<1, 4>(), py::keep_alive<1, 20>(), py::keep_alive<1, 24>(), py::keep_alive<1, 25>())
+              int64_t cache_slots, float scale, const kt::MoEBlock& moe) {
+             kt::AttentionMixer a;
+             a.qkv = qkv;
+             a.o = o;
+             a.Hq = Hq, a.Hkv = Hkv, a.D = D, a.output_gate = output_gate;
+             a.q_norm = q_norm, a.k_norm = k_norm;
+             a.cos_sin = ptr<const float>(cos_sin), a.max_position = max_position, a.rotary_dim = rotary_dim;
+             a.neox = neox;
+             a.k_cache = ptr<bf16>(k_cache), a.ldk = ldk, a.v_cache = ptr<bf16>(v_cache), a.ldv = ldv;
+             a.cache_slots = cache_slots, a.scale = scale;
+             s.add_attention_layer(input_norm, post_norm, a, moe);
+           })
+      .def("add_gdn_layer",
+           [](kt::DecodeStack& s, const kt::NormWeight& input_norm, const kt::NormWeight& post_norm,
+              const kt::Projection& qkvz, const kt::Projection& ba, const kt::Projection& out, int Hk, int Hv, int Dk,
+              int Dv, int conv_kernel, uintptr_t conv_w, uintptr_t conv_bias, bool conv_silu, uintptr_t conv_states,
+              const std::vector<int64_t>& conv_shape_strides, uintptr_t ssm_states,
+              const std::vector<int64_t>& ssm_shape_strides, uintptr_t A_log, bool A_log_bf16, uintptr_t dt_bias,
+              bool dt_bias_bf16, uintptr_t norm_w, float norm_eps, bool sigmoid_gate, const kt::MoEBlock& moe) {
+             if (conv_shape_strides.size() != 4 || ssm_shape_strides.size() != 5)
+               throw std::invalid_argument("add_gdn_layer: conv states (slots + 3 strides), ssm states (slots + 4)");
+             kt::GdnMixer g;
+             g.qkvz = qkvz, g.ba = ba, g.out = out;
+             g.Hk = Hk, g.Hv = Hv, g.Dk = Dk, g.Dv = Dv, g.conv_kernel = conv_kernel;
+             g.conv_w = ptr<const bf16>(conv_w), g.conv_bias = ptr<const bf16>(conv_bias), g.conv_silu = conv_silu;
+             const auto& c = conv_shape_strides;
+             g.conv = kt::GdnConvStates{ptr<bf16>(conv_states), c[0], c[1], c[2], c[3]};
+             const auto& t = ssm_shape_strides;
+             g.ssm = kt::GdnStates{ptr<float>(ssm_states), t[0], t[1], t[2], t[3], t[4]};
+             g.A_log = kt::HeadParam{ptr<const void>(A_log), A_log_bf16};
+             g.dt_bias = kt::HeadParam{ptr<const void>(dt_bias), dt_bias_bf16};
+             g.norm_w = ptr<const float>(norm_w), g.norm_eps = norm_eps, g.sigmoid_gate = sigmoid_gate;
+             s.add_gdn_layer(input_norm, post_norm, g, moe);
+           })
       .def("set_lora",
-           [](kt::DecodeStack& s, int i, uintptr_t qkv_a, int qkv_a_rows, uintptr_t qkv_b, int64_t qkv_b_rows,
-              int qkv_max_rank, int qkv_adapters, const std::vector<int32_t>& qkv_off, uintptr_t o_a, int o_a_rows,
-              uintptr_t o_b, int64_t o_b_rows, int o_max_rank, int o_adapters, const std::vector<int32_t>& o_off) {
-             auto lora = [](uintptr_t a, int a_rows, uintptr_t b, int64_t b_rows, int max_rank, int adapters,
-                            const std::vector<int32_t>& off) {
-               kt::DenseLoRA l{ptr<const bf16>(a), a_rows, ptr<const bf16>(b), b_rows, max_rank, adapters,
-                               static_cast<int>(off.size()) - 1, {}};
-               if (off.size() < 2 || off.size() > 4)
-                 throw std::invalid_argument("DecodeStack.set_lora: 1 to 3 LoRA slices");
-               std::copy(off.begin(), off.end(), l.off);
-               return l;
-             };
-             s.set_lora(i, lora(qkv_a, qkv_a_rows, qkv_b, qkv_b_rows, qkv_max_rank, qkv_adapters, qkv_off),
-                        lora(o_a, o_a_rows, o_b, o_b_rows, o_max_rank, o_adapters, o_off));
+           [](kt::DecodeStack& s, int i, const std::string& name, uintptr_t a, int a_rows, uintptr_t b,
+              int64_t b_rows, int max_rank, int adapters, const std::vector<int32_t>& off) {
+             if (off.size() < 2 || off.size() > kt::kMaxLoRASlices + 1)
+               throw std::invalid_argument("DecodeStack.set_lora: 1 to " + std::to_string(kt::kMaxLoRASlices) +
+                                           " LoRA slices");
+             kt::DenseLoRA l{ptr<const bf16>(a), a_rows, ptr<const bf16>(b), b_rows, max_rank, adapters,
+                             static_cast<int>(off.size()) - 1, {}};
+             std::copy(off.begin(), off.end(), l.off);
+             s.set_lora(i, name, l);
            })
       .def_property_readonly("num_layers", &kt::DecodeStack::num_layers)
+      .def_property_readonly("has_gdn", &kt::DecodeStack::has_gdn)
       .def("forward",
            [](const kt::DecodeStack& s, int B, uintptr_t x, uintptr_t positions, uintptr_t req_to_token,
-              int64_t req_rows, int64_t ld_req, uintptr_t req_pool_indices, uintptr_t seq_lens, uintptr_t cache_loc, uintptr_t slots,
-              int uniform_slot, int lora_segments, int lora_adapters, uintptr_t seg_lens, uintptr_t weight_indices,
-              uintptr_t ranks, uintptr_t scalings) {
+              int64_t req_rows, int64_t ld_req, uintptr_t req_pool_indices, uintptr_t seq_lens, uintptr_t cache_loc,
+              uintptr_t state_slots, uintptr_t slots, int uniform_slot, int lora_segments, int lora_adapters,
+              uintptr_t seg_lens, uintptr_t weight_indices, uintptr_t ranks, uintptr_t scalings) {
              const kt::LoRASegments lora{lora_segments, lora_adapters, ptr<const int32_t>(seg_lens),
                                          ptr<const int32_t>(weight_indices), ptr<const int32_t>(ranks),
                                          ptr<const float>(scalings)};
              py::gil_scoped_release nogil;
-             s.forward(B, ptr<bf16>(x), ptr<const int64_t>(positions), ptr<const int32_t>(req_to_token), req_rows, ld_req,
-                       ptr<const int64_t>(req_pool_indices), ptr<const int64_t>(seq_lens),
-                       ptr<const int64_t>(cache_loc), ptr<const int32_t>(slots), uniform_slot,
-                       seg_lens ? &lora : nullptr);
+             s.forward(B, ptr<bf16>(x), ptr<const int64_t>(positions), ptr<const int32_t>(req_to_token), req_rows,
+                       ld_req, ptr<const int64_t>(req_pool_indices), ptr<const int64_t>(seq_lens),
+                       ptr<const int64_t>(cache_loc), ptr<const int32_t>(state_slots), ptr<const int32_t>(slots),
+                       uniform_slot, seg_lens ? &lora : nullptr);
            },
-           "A Qwen3-MoE decoder stack's decode step in one call (csrc/ops/decode_stack.h).");
+           "A MoE decoder stack's decode step in one call (csrc/ops/decode_stack.h).");
   m.def(
       "checksum",
       [](uintptr_t p, size_t n) {

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from kt_serve.kernel.decode_stack import DecodeStack
+from kt_serve.kernel.decode_stack import DecodeStack, MoEBlock
 from kt_serve.kernel.linear import PackedLinear
 from kt_serve.kernel.experts import ExpertLoRA, MoEExperts
 from moe_reference import moe_lora_reference
@@ -128,15 +128,16 @@ def reference(layers, final_norm, x, positions, k_cache, v_cache, req_to_token, 
 
 
 def build(layers, final_norm, k_cache, v_cache, cache, rotary_dim, neox, isa):
-    stack = DecodeStack(H, HQ, HKV, D, final_norm, EPS, isa=isa)
+    stack = DecodeStack(H, final_norm, EPS, isa=isa)
     for li, L in enumerate(layers):
         experts = MoEExperts(L["gate"], L["up"], L["down"], max_tokens=16, max_slots=1, isa=isa)
         experts.set_adapter(0, ExpertLoRA(*L["lora"], alpha=8.0))
-        stack.add_layer(input_norm=L["input_norm"], input_eps=EPS, qkv=PackedLinear(L["qkv"], isa=isa),
-                        q_norm=L["q_norm"], q_eps=EPS, k_norm=L["k_norm"], k_eps=EPS, cos_sin=cache,
-                        rotary_dim=rotary_dim, neox=neox, k_cache=k_cache[li], v_cache=v_cache[li], scale=D ** -0.5,
-                        o_proj=PackedLinear(L["o"], isa=isa), post_norm=L["post_norm"], post_eps=EPS,
-                        gate=PackedLinear(L["router"], isa=isa), experts=experts, top_k=TOP_K, renormalize=True)
+        stack.add_attention_layer(input_norm=L["input_norm"], input_eps=EPS, qkv=PackedLinear(L["qkv"], isa=isa),
+                                  q_heads=HQ, kv_heads=HKV, head_dim=D, q_norm=L["q_norm"], q_eps=EPS,
+                                  k_norm=L["k_norm"], k_eps=EPS, cos_sin=cache, rotary_dim=rotary_dim, neox=neox,
+                                  k_cache=k_cache[li], v_cache=v_cache[li], scale=D ** -0.5,
+                                  o_proj=PackedLinear(L["o"], isa=isa), post_norm=L["post_norm"], post_eps=EPS,
+                                  moe=MoEBlock(PackedLinear(L["router"], isa=isa), experts, TOP_K, True))
     return stack
 
 
@@ -175,7 +176,7 @@ def test_decode_step_matches_fp32_reference(isa, rotary_dim, neox):
     assert margin > 0.05, "the test's premise: no routing near-tie that bf16 roundings could flip"
     before_k, before_v = k_cache.clone(), v_cache.clone()
     stack = build(layers, final_norm, k_cache, v_cache, cache, rotary_dim, neox, isa)
-    out = stack.forward(x.clone(), positions, req_to_token, idx, lens, loc, slots)
+    out = stack.forward(x.clone(), positions, req_to_token, idx, lens, loc, slots=slots)
     assert rel_l2(out, ref) < 1e-2
     for li, (k, v) in enumerate(new_kv):  # the step's K (normed, rotated) and V rows stored at their slots
         assert rel_l2(k_cache[li, loc], k) < 1e-2 and rel_l2(v_cache[li, loc], v) < 1e-2
@@ -184,7 +185,7 @@ def test_decode_step_matches_fp32_reference(isa, rotary_dim, neox):
     assert torch.equal(k_cache[:, others], before_k[:, others]) and torch.equal(v_cache[:, others], before_v[:, others])
     # the adapter matters: without it the adapted requests' outputs move well past the tolerance
     k_cache.copy_(before_k), v_cache.copy_(before_v)
-    base = stack.forward(x.clone(), positions, req_to_token, idx, lens, loc, -1)
+    base = stack.forward(x.clone(), positions, req_to_token, idx, lens, loc, slots=-1)
     assert rel_l2(base[slots == 0], ref[slots == 0]) > 0.1
     assert rel_l2(base[slots == -1], ref[slots == -1]) < 1e-2
 
@@ -202,38 +203,43 @@ def test_bad_requests_are_refused_before_anything_is_written():
     too_long = lens.clone()
     too_long[1] = req_to_token.shape[1] + 1
     with pytest.raises(ValueError, match=r"request 1 \(row .*, length .*\) outside req_to_token"):
-        stack.forward(x, positions, req_to_token, idx, too_long, loc, -1)
+        stack.forward(x, positions, req_to_token, idx, too_long, loc, slots=-1)
     bad_row = idx.clone()
     bad_row[0] = req_to_token.shape[0]
     with pytest.raises(ValueError, match="request 0"):
-        stack.forward(x, positions, req_to_token, bad_row, lens, loc, -1)
+        stack.forward(x, positions, req_to_token, bad_row, lens, loc, slots=-1)
     bad_loc = loc.clone()
     bad_loc[1] = k_cache.shape[1]
     with pytest.raises(IndexError, match="cache slot 64 of request 1 is outside the pool's 64 slots"):
-        stack.forward(x, positions, req_to_token, idx, lens, bad_loc, -1)
+        stack.forward(x, positions, req_to_token, idx, lens, bad_loc, slots=-1)
     assert torch.equal(k_cache, before) and torch.equal(x, x0)
     with pytest.raises(ValueError, match="positions must be a contiguous CPU torch.int64 tensor"):
-        stack.forward(x, positions.int(), req_to_token, idx, lens, loc, -1)
+        stack.forward(x, positions.int(), req_to_token, idx, lens, loc, slots=-1)
 
 
 def test_a_layer_of_other_shapes_is_refused_naming_the_part():
     g = torch.Generator().manual_seed(5)
     L = make_layer(g)
     cache = rope_cache(64, D)
-    stack = DecodeStack(H, HQ, HKV, D, torch.ones(H).bfloat16(), EPS)
+    stack = DecodeStack(H, torch.ones(H).bfloat16(), EPS)
     k_cache = torch.zeros(8, HKV, D).bfloat16()
     experts = MoEExperts(L["gate"], L["up"], L["down"], max_tokens=16)
-    args = dict(input_norm=L["input_norm"], input_eps=EPS, q_norm=L["q_norm"], q_eps=EPS, k_norm=L["k_norm"],
-                k_eps=EPS, cos_sin=cache, rotary_dim=D, neox=True, k_cache=k_cache, v_cache=k_cache.clone(),
-                scale=1.0, o_proj=PackedLinear(L["o"]), post_norm=L["post_norm"], post_eps=EPS,
-                gate=PackedLinear(L["router"]), experts=experts, top_k=TOP_K, renormalize=True)
+    moe = MoEBlock(PackedLinear(L["router"]), experts, TOP_K, True)
+    args = dict(input_norm=L["input_norm"], input_eps=EPS, q_heads=HQ, kv_heads=HKV, head_dim=D, q_norm=L["q_norm"],
+                q_eps=EPS, k_norm=L["k_norm"], k_eps=EPS, cos_sin=cache, rotary_dim=D, neox=True, k_cache=k_cache,
+                v_cache=k_cache.clone(), scale=1.0, o_proj=PackedLinear(L["o"]), post_norm=L["post_norm"],
+                post_eps=EPS, moe=moe)
     with pytest.raises(ValueError, match="layer 0: qkv projection is not"):
-        stack.add_layer(qkv=PackedLinear(L["qkv"][:-D]), **args)
+        stack.add_attention_layer(qkv=PackedLinear(L["qkv"][:-D]), **args)
+    with pytest.raises(ValueError, match="layer 0: qkv projection is not"):  # no room for the output gate
+        stack.add_attention_layer(qkv=PackedLinear(L["qkv"]), output_gate=True, **args)
     with pytest.raises(ValueError, match="router gate is not"):
-        stack.add_layer(qkv=PackedLinear(L["qkv"]), **{**args, "gate": PackedLinear(L["router"][:-1])})
+        stack.add_attention_layer(qkv=PackedLinear(L["qkv"]),
+                                  **{**args, "moe": MoEBlock(PackedLinear(L["router"][:-1]), experts, TOP_K, True)})
     with pytest.raises(ValueError, match=r"k_cache must be a CPU bf16 tensor \[slots, 2, 16\]"):
-        stack.add_layer(qkv=PackedLinear(L["qkv"]), **{**args, "k_cache": torch.zeros(8, HKV, D + 1).bfloat16()})
-    stack.add_layer(qkv=PackedLinear(L["qkv"]), **args)
+        stack.add_attention_layer(qkv=PackedLinear(L["qkv"]),
+                                  **{**args, "k_cache": torch.zeros(8, HKV, D + 1).bfloat16()})
+    stack.add_attention_layer(qkv=PackedLinear(L["qkv"]), **args)
     assert stack.num_layers == 1
 
 
@@ -270,16 +276,19 @@ def test_dense_lora_of_sglangs_segments_on_qkv_and_o():
     before_k, before_v = k_cache.clone(), v_cache.clone()
     stack = build(layers, final_norm, k_cache, v_cache, cache, D, True, "auto")
     for li, lo in enumerate(per_layer):
-        stack.set_lora(li, qkv=lo["qkv"], o=lo["o"])
-    out = stack.forward(x.clone(), positions, req_to_token, idx, lens, loc, -1,
-                        (seg_lens, weight_indices, ranks, scalings))
+        stack.set_lora(li, "qkv", lo["qkv"])
+        stack.set_lora(li, "o", lo["o"])
+    out = stack.forward(x.clone(), positions, req_to_token, idx, lens, loc, slots=-1,
+                            lora=(seg_lens, weight_indices, ranks, scalings))
     assert rel_l2(out, ref) < 1e-2
     with_lora = adapter != 0
     assert rel_l2(plain[with_lora], ref[with_lora]) > 0.1  # the LoRA moves the adapted requests well past it
     k_cache.copy_(before_k), v_cache.copy_(before_v)
-    out_plain = stack.forward(x.clone(), positions, req_to_token, idx, lens, loc, -1)  # no segments: no LoRA
+    out_plain = stack.forward(x.clone(), positions, req_to_token, idx, lens, loc, slots=-1)  # no segments: no LoRA
     assert rel_l2(out_plain, plain) < 1e-2
     with pytest.raises(ValueError, match="layer 0 o LoRA: A holds 3 adapters, B 2"):
-        stack.set_lora(0, o=(per_layer[0]["o"][0], per_layer[0]["o"][1][:2], [0, H]))
-    with pytest.raises(ValueError, match="LoRA B rows must cover the projection's output"):
-        stack.set_lora(0, o=(per_layer[0]["o"][0], per_layer[0]["o"][1], [0, H - 1]))
+        stack.set_lora(0, "o", (per_layer[0]["o"][0], per_layer[0]["o"][1][:2], [0, H]))
+    with pytest.raises(ValueError, match="o LoRA B rows must lie within the projection's output"):
+        stack.set_lora(0, "o", (per_layer[0]["o"][0], per_layer[0]["o"][1], [0, H + 1]))
+    with pytest.raises(ValueError, match="no projection out_proj in this layer"):
+        stack.set_lora(0, "out_proj", per_layer[0]["o"])

@@ -12,6 +12,7 @@ chunks and the recurrent decode step are all compared.
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import openai
@@ -240,6 +241,20 @@ def test_qwen35_concurrent_mixed_batch_equals_sequential(server_composite, qwen3
         return complete(server_composite, model if name is None else f"{model}:{name}", list(prompt))
 
     concurrent_equals_sequential(run, jobs)
+
+
+def test_qwen35_decode_steps_ran_in_one_kernel_call(server_composite):
+    """The reference comparisons above went through the one-call Qwen3.5 decode step (cpu_host/decode_stack.py),
+    SGLang's LoRA on the linear attention, q/k/v, o and shared expert inside it; requests whose adapter holds gate
+    LoRA (trained: router, shared-expert gate, in_proj_ba) or LoRA Experts took the layer loop, saying so."""
+    from sglang.srt.utils.common import cpu_has_amx_support
+
+    if cpu_has_amx_support():  # SGLang's own intel_amx kernels run the layers there: no stack
+        return
+    log = server_composite.log_tail(100000)
+    assert re.search(r"decode steps in one kernel call \(4 layers and the final norm\)", log), log[-3000:]
+    assert "decode steps apply SGLang's LoRA of the layers' projections inside that call" in log, log[-3000:]
+    assert "this decode batch keeps SGLang's layer loop: gate LoRA" in log, log[-3000:]
 
 
 def test_qwen35_fused_checkpoint_with_global_expert_adapter(qwen35):

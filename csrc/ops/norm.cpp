@@ -83,7 +83,9 @@ void rms_norm_gated(int M, int N, int group, const bf16* x, const bf16* z, const
   parallel_rows(M, static_cast<int64_t>(M) * N, rows);
 }
 
-void rms_norm_heads(int T, int heads, int D, bf16* x, int64_t ld, const bf16* w, float eps) {
+namespace {
+template <typename W>
+void norm_heads(int T, int heads, int D, bf16* x, int64_t ld, const W* w, float eps) {
   auto tokens = [&](int64_t t0, int64_t t1) {
     thread_local std::vector<float> s;
     s.resize(D);
@@ -94,6 +96,15 @@ void rms_norm_heads(int T, int heads, int D, bf16* x, int64_t ld, const bf16* w,
       }
   };
   parallel_rows(T, static_cast<int64_t>(T) * heads * D, tokens);
+}
+}  // namespace
+
+void rms_norm_heads(int T, int heads, int D, bf16* x, int64_t ld, const bf16* w, float eps) {
+  norm_heads(T, heads, D, x, ld, w, eps);
+}
+
+void rms_norm_heads_gemma(int T, int heads, int D, bf16* x, int64_t ld, const float* w1, float eps) {
+  norm_heads(T, heads, D, x, ld, w1, eps);
 }
 
 }  // namespace kt

@@ -28,5 +28,7 @@ void rms_norm_gated(int M, int N, int group, const bf16* x, const bf16* z, const
 // RMSNorm of every head in place (Qwen3's q_norm / k_norm, over the q or k part of qkv rows): T token rows ld
 // apart, each `heads` dense heads of D values normalised by w bf16 [D].
 void rms_norm_heads(int T, int heads, int D, bf16* x, int64_t ld, const bf16* w, float eps);
+// The same with Gemma's weight w1 = 1 + weight, fp32 (Qwen3.5's q_norm / k_norm: fp32 throughout, one rounding).
+void rms_norm_heads_gemma(int T, int heads, int D, bf16* x, int64_t ld, const float* w1, float eps);
 
 }  // namespace kt

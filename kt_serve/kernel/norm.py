@@ -12,7 +12,7 @@ import torch
 
 from kt_serve import _kernel
 
-__all__ = ["rms_norm", "gemma_rms_norm", "gated_rms_norm"]
+__all__ = ["rms_norm", "gemma_rms_norm", "gated_rms_norm", "gemma_rms_norm_heads"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None):
@@ -26,6 +26,21 @@ def gemma_rms_norm(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float,
     """Gemma's RMSNorm (SGLang's ``GemmaRMSNorm.forward_native``: Qwen3.5's layer norms): as :func:`rms_norm` with
     the fp32 weight ``1 + w`` and the residual added in bf16 before normalising."""
     return _norm(_kernel.rms_norm_gemma, torch.float32, x, weight_plus_one, eps, residual)
+
+
+def gemma_rms_norm_heads(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float, head_dim: int) -> torch.Tensor:
+    """Gemma's RMSNorm of every head of x, in place (Qwen3.5's q_norm / k_norm): x bf16 ``[T, heads · head_dim]``
+    with unit stride in its rows, weight fp32 ``1 + w`` ``[head_dim]``; fp32 throughout, one rounding. Returns x."""
+    if (x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] % head_dim
+            or weight_plus_one.dtype != torch.float32 or tuple(weight_plus_one.shape) != (head_dim,)
+            or not weight_plus_one.is_contiguous()):
+        raise ValueError(f"gemma_rms_norm_heads: x bf16 [T, heads * {head_dim}] (unit-stride rows) and an fp32 "
+                         f"weight [{head_dim}] expected, got {x.dtype} {tuple(x.shape)}, "
+                         f"{weight_plus_one.dtype} {tuple(weight_plus_one.shape)}")
+    if x.shape[0]:
+        _kernel.rms_norm_heads(x.shape[0], x.shape[1] // head_dim, head_dim, x.data_ptr(), x.stride(0),
+                               weight_plus_one.data_ptr(), True, float(eps))
+    return x
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, group: int,

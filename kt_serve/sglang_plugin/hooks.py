@@ -28,6 +28,8 @@ LOGITS_PROCESSOR = "sglang.srt.layers.logits_processor.LogitsProcessor"
 RMS_NORM = "sglang.srt.layers.layernorm.RMSNorm"
 GEMMA_RMS_NORM = "sglang.srt.layers.layernorm.GemmaRMSNorm"
 ROTARY_EMBEDDING = "sglang.srt.layers.rotary_embedding.base.RotaryEmbedding"
+MROTARY_EMBEDDING = "sglang.srt.layers.rotary_embedding.mrope.MRotaryEmbedding"
+SILU_AND_MUL = "sglang.srt.layers.activation.SiluAndMul"
 ELEMENTWISE = "sglang.kernels.ops.elementwise.elementwise"
 QWEN2_MOE_MODEL = "sglang.srt.models.qwen2_moe.Qwen2MoeModel"
 QWEN2_MOE_BLOCK = "sglang.srt.models.qwen2_moe.Qwen2MoeSparseMoeBlock"
@@ -35,6 +37,7 @@ QWEN3_MOE_BLOCK = "sglang.srt.models.qwen3_moe.Qwen3MoeSparseMoeBlock"
 DEEPSEEK_MOE_BLOCK = "sglang.srt.models.deepseek_v2.DeepseekV2MoE"
 QWEN3_MOE_ATTENTION = "sglang.srt.models.qwen3_moe.Qwen3MoeAttention"
 QWEN35_GATED_DELTA_NET = "sglang.srt.models.qwen3_5.Qwen3_5GatedDeltaNet"
+QWEN35_MODEL = "sglang.srt.models.qwen3_5.Qwen3_5ForCausalLM"
 FLA_GATED_RMS_NORM = "sglang.kernels.ops.attention.fla.layernorm_gated.RMSNorm"
 DEEPSEEK_ATTENTION = "sglang.srt.models.deepseek_common.attention_backend_handler.AttentionBackendRegistry"
 TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
@@ -101,10 +104,13 @@ def _register_cpu_host_hooks(hook) -> None:
             hook(f"{QWEN3_MOE_BLOCK}.forward_normal", moe_block.forward_normal, "AROUND")
             hook(f"{QWEN2_MOE_BLOCK}._forward_router_experts", moe_block.router_experts, "AROUND")
             hook(f"{QWEN2_MOE_MODEL}.forward", decode_stack.forward, "AROUND")
+            hook(f"{QWEN35_MODEL}.forward", decode_stack.forward, "AROUND")
         if not cpu_has_amx_support():  # with AMX, SGLang's forward_cpu runs its own fused kernel
             hook(f"{RMS_NORM}.forward_native", norm.rms_norm_forward_native, "AROUND")
             hook(f"{GEMMA_RMS_NORM}.forward_native", norm.gemma_rms_norm_forward_native, "AROUND")
             hook(f"{ROTARY_EMBEDDING}.forward_native", rotary.rotary_forward_native, "AROUND")
+            hook(f"{MROTARY_EMBEDDING}.forward_native", rotary.mrope_forward_native, "AROUND")
+            hook(f"{SILU_AND_MUL}.forward_native", norm.silu_and_mul_forward_native, "AROUND")
             hook(f"{QWEN3_MOE_ATTENTION}.apply_qk_norm_rope", rotary.apply_qk_norm_rope, "AROUND")
     hook(f"{ELEMENTWISE}.fused_gate_sigmoid_mul_add", moe_block.gate_sigmoid_mul_add_cpu, "AROUND")
     hook(f"{ELEMENTWISE}.fused_gate_sigmoid_mul", moe_block.gate_sigmoid_mul_cpu, "AROUND")

@@ -65,9 +65,16 @@ class AdapterRegistry:
         """The kernel ``slots`` argument of an experts call over this forward's ``num_tokens`` tokens."""
         return slots_for(self.batch, num_tokens, self.experts.default_slot)
 
-    def router_lora_loaded(self, gate_keys) -> bool:
-        """Whether a loaded adapter has LoRA on one of these routers (then SGLang's router path must run)."""
-        return any(key in weights for weights in self.gates.adapters.values() for key in gate_keys)
+    def router_lora_in_batch(self, gate_keys) -> bool:
+        """Whether an adapter of the forward in flight has LoRA on one of these gates (router, shared-expert gate,
+        in_proj_ba): then SGLang's modules, which the plugin's gate LoRA wraps, must run them."""
+        if self.batch is None or not self.gates.adapters:
+            return False
+        for lora_id in set(self.batch.lora_ids):
+            weights = self.gates.adapters.get(lora_id)
+            if weights and any(key in weights for key in gate_keys):
+                return True
+        return False
 
 
 _registry: AdapterRegistry | None = None

@@ -86,7 +86,7 @@ def backend_class():
     if _cls is not None:
         return _cls
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-    from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, KVWriteLoc, MHATokenToKVPool
 
     from kt_serve.kernel.attention import run_decode_attention
     from kt_serve.kernel.threads import cpu_isa
@@ -135,6 +135,8 @@ def backend_class():
             copy of each row to its slot (no subclass, quantization, scales, page-major layout or write-loc
             translation), so the cache holds the same bytes either way."""
             pool = self.token_to_kv_pool
+            if type(pool) is HybridLinearKVPool and not pool.use_mla:  # Qwen3.5: the full-attention layers' pool
+                pool = pool.full_kv_pool
             return (type(pool) is MHATokenToKVPool and not pool.is_quantized_kv_cache
                     and pool.dtype == pool.store_dtype == torch.bfloat16 and not getattr(pool, "use_hnd", False)
                     and not pool.requires_physical_write_loc

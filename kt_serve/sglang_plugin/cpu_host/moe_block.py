@@ -11,8 +11,8 @@ set from the caches, so each of those Python steps runs cold: timing a Qwen3-30B
 server put the block at 0.8 ms per layer beyond its two weight streams (evals/bench_cpu_ops.py --cold shows the
 effect on single ops). When the block is plain, :meth:`kt_serve.kernel.experts.MoEExperts.forward_routed` runs all of it
 in C++ with SGLang's routing arithmetic (bf16 gate logits, fp32 softmax over all experts, top-k, renormalised as
-the model asks). Anything else keeps SGLang's path, with the reason logged once: router LoRA in the loaded
-adapters, EPLB or expert-location dispatch, routed-expert capture, an expert distribution recording, padded token
+the model asks). Anything else keeps SGLang's path, with the reason logged once: router LoRA in a request's
+adapter, EPLB or expert-location dispatch, routed-expert capture, an expert distribution recording, padded token
 counts, grouped / biased / custom routing, shared top-k slots, waterfill, tensor or expert parallelism.
 ``--kt-cpu-ops auto|on|off`` with linear.py, which packs the gate.
 
@@ -101,8 +101,10 @@ def batch_reason(num_tokens: int):
 
 
 def router_lora_reason(gate_keys) -> str | None:
-    """Why blocks whose gates are ``gate_keys`` must take SGLang's path now: a loaded adapter with router LoRA."""
-    return "router LoRA in a loaded adapter" if get_registry().router_lora_loaded(gate_keys) else None
+    """Why blocks whose gates are ``gate_keys`` must take SGLang's path now: an adapter of the batch with LoRA on
+    one of them."""
+    return "gate LoRA (router, shared-expert gate or in_proj_ba) in a request's adapter" \
+        if get_registry().router_lora_in_batch(gate_keys) else None
 
 
 def _routed(block, x: torch.Tensor):
@@ -149,9 +151,18 @@ def _shared_expert_gate(hidden_states, gate_weight):
 
 
 def gate_sigmoid_mul_add_cpu(original, hidden_states, gate_weight, shared_output, final_hidden_states):
-    """AROUND fused_gate_sigmoid_mul_add: the Triton kernel has no CPU driver (Qwen2-MoE shared-expert gate)."""
+    """AROUND fused_gate_sigmoid_mul_add: the Triton kernel has no CPU driver (Qwen2-MoE shared-expert gate). bf16
+    in C++ (what the one-call decode step runs, so its tokens equal this loop's), else in torch."""
     if hidden_states.device.type != "cpu":
         return original(hidden_states, gate_weight, shared_output, final_hidden_states)
+    from kt_serve.kernel.activation import shared_expert_gate_add
+
+    delta = None
+    if get_registry().gates.adapters:  # the gate LoRA of the requests' adapters, as a logit delta
+        delta = torch.zeros(hidden_states.shape[0], 1)
+        get_registry().gates.add_delta_by_weight(gate_weight, hidden_states, delta)
+    if shared_expert_gate_add(hidden_states, gate_weight, shared_output, final_hidden_states, delta):
+        return
     gate = _shared_expert_gate(hidden_states, gate_weight)
     final_hidden_states.add_((gate * shared_output.float()).to(final_hidden_states.dtype))
 

@@ -7,6 +7,7 @@ quantization) takes ours, with the same arithmetic; every other configuration ke
 (Qwen3.5's layer norms: the weight 1 + w in fp32, the residual added in bf16) takes ours too, unless a call
 brings a post-residual addition.
 ``--kt-cpu-ops auto|on|off``, with linear.py. :func:`fp32_weight` is shared with the gated norm (models/qwen35.py).
+SiluAndMul, the elementwise step between a shared expert's projections, takes its C++ pass here too.
 """
 
 from __future__ import annotations
@@ -44,15 +45,21 @@ def rms_norm_forward_native(original, norm, x, residual=None, post_residual_addi
 def fp32_weight(norm, plus_one: bool = False) -> torch.Tensor:
     """The norm's weight in fp32 (1 + w for Gemma's), as forward_native multiplies; computed once per weight version
     (a reload recomputes it)."""
-    w = norm.weight
+    return fp32_weight_of(norm.weight, plus_one)
+
+
+_FP32_WEIGHTS: dict = {}  # (weight address, plus_one) -> (its version, the fp32 weight)
+
+
+def fp32_weight_of(w: torch.Tensor, plus_one: bool = False) -> torch.Tensor:
+    """fp32_weight for a norm's weight tensor (SGLang hands some fused ops the weight, not the module)."""
     value = lambda: ((1.0 if plus_one else 0.0) + w.detach().float()).contiguous()  # noqa: E731
     if w.is_inference():  # an inference-mode tensor tracks no version: computed every call
         return value()
-    key = (w.data_ptr(), w._version, plus_one)
-    cached = getattr(norm, "_kt_fp32_weight", None)
-    if cached is None or cached[0] != key:
-        cached = (key, value())
-        norm._kt_fp32_weight = cached
+    key = (w.data_ptr(), plus_one)
+    cached = _FP32_WEIGHTS.get(key)
+    if cached is None or cached[0] != (w._version, w.shape):
+        cached = _FP32_WEIGHTS[key] = ((w._version, w.shape), value())
     return cached[1]
 
 
@@ -67,3 +74,16 @@ def gemma_rms_norm_forward_native(original, norm, x, residual=None, post_residua
 
     log_once(logger, "Gemma RMSNorm on the kt_serve kernel (one C++ pass per call)")
     return gemma_rms_norm(x, fp32_weight(norm, plus_one=True), norm.variance_epsilon, residual)
+
+
+def silu_and_mul_forward_native(original, op, x):
+    """AROUND SiluAndMul.forward_native (shared experts' and dense MLPs' activation; registered where RMSNorm's is):
+    bf16 [T, 2 I] in one C++ pass with forward_native's roundings, the function the one-call decode step runs (a
+    request's tokens then do not depend on which of the two ran its step)."""
+    from kt_serve.kernel.activation import silu_mul
+
+    out = silu_mul(x) if x.device.type == "cpu" and x.dim() == 2 else None
+    if out is None:
+        return original(op, x)
+    log_once(logger, "SiluAndMul on the kt_serve kernel (one C++ pass per call)")
+    return out

@@ -7,7 +7,8 @@ indexed by position, no offsets, no fused KV write) takes ours, in place as SGLa
 (forward_cuda), with fp32 math on an fp32 cache: on a CPU host
 SGLang keeps the cache in bf16 (and multiplies in bf16), so the module's own ``_compute_cos_sin_cache`` is run once
 more in fp32 and kept beside it. Every other configuration keeps SGLang's.
-Subclasses with a forward_native of their own (DeepSeek's YaRN, mRoPE) are not touched. ``--kt-cpu-ops``, with
+Subclasses with a forward_native of their own (DeepSeek's YaRN) are not touched; mRoPE (Qwen3.5) takes ours for text
+positions. ``--kt-cpu-ops``, with
 norm.py and linear.py.
 """
 
@@ -57,6 +58,30 @@ def rotary_forward_native(original, rope, positions, query, key, offsets=None, f
 
     log_once(logger, "rotary embedding on the kt_serve kernel (one C++ pass per call)")
     return rotary_embedding(positions, query, key, rope.head_size, fp32_cos_sin_cache(rope), rope.is_neox_style,
+                            rope.rotary_dim)
+
+
+def text_positions(positions: torch.Tensor):
+    """A multimodal rotary's positions as one row per token: 1-D as they are, [3, T] where its three sections agree
+    (text tokens, every decode token); None where they differ (image or video tokens)."""
+    if positions.dim() == 2 and positions.shape[0] == 3:
+        if not (torch.equal(positions[0], positions[1]) and torch.equal(positions[0], positions[2])):
+            return None
+        return positions[0]
+    return positions if positions.dim() == 1 else None
+
+
+def mrope_forward_native(original, rope, positions, query, key, fused_set_kv_buffer_arg=None):
+    """AROUND MRotaryEmbedding.forward_native (Qwen3.5's rotary, registered where RotaryEmbedding's is): text
+    positions rotate as a plain rotary, on the kernel in fp32 as the one-call decode step does (SGLang's own
+    multiplies the bf16 cache in bf16); image and video positions keep SGLang's sections."""
+    rows = text_positions(positions) if isinstance(positions, torch.Tensor) else None
+    if rows is None or rows.numel() == 0 or not _plain(rope, rows, query, key, None, fused_set_kv_buffer_arg):
+        return original(rope, positions, query, key, fused_set_kv_buffer_arg)
+    from kt_serve.kernel.rotary import rotary_embedding
+
+    log_once(logger, "multimodal rotary embedding of text positions on the kt_serve kernel (one C++ pass per call)")
+    return rotary_embedding(rows, query, key, rope.head_size, fp32_cos_sin_cache(rope), rope.is_neox_style,
                             rope.rotary_dim)
 
 

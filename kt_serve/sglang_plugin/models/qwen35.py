@@ -34,15 +34,27 @@ logger = logging.getLogger(__name__)
 
 
 def fused_sigmoid_mul_cpu(input, gate):
-    """input *= sigmoid(gate), in place. input: [T, H*D] contiguous; gate: [T, H*D] or a [T, H, D] view."""
+    """input *= sigmoid(gate), in place. input: [T, H*D] contiguous; gate: [T, H*D] or a [T, H, D] view. bf16 in C++
+    (kt_serve.kernel.activation, what the one-call decode step runs), else the torch formula."""
     if input.dim() != 2 or gate.dim() not in (2, 3) or gate.shape[0] != input.shape[0]:
         raise ValueError(f"fused_sigmoid_mul_cpu: input [T, H*D] and gate [T, H*D] or [T, H, D] expected, got "
                          f"{tuple(input.shape)} and {tuple(gate.shape)}")
-    input.copy_(input.float() * torch.sigmoid(gate.float()).reshape(input.shape))
+    from kt_serve.kernel.activation import sigmoid_mul
+
+    if sigmoid_mul(input, gate) is None:
+        input.copy_(input.float() * torch.sigmoid(gate.float()).reshape(input.shape))
 
 
 def _gemma_heads(x, weight, eps, heads, head_dim):
-    """Gemma RMSNorm per head: x·rsqrt(mean x² + eps)·(1 + w), fp32; [T, heads, head_dim] -> [T*heads, head_dim]."""
+    """Gemma RMSNorm per head: x·rsqrt(mean x² + eps)·(1 + w), fp32; [T, heads, head_dim] -> [T*heads, head_dim].
+    bf16 in C++ (kt_serve.kernel.norm, what the one-call decode step runs), else the torch formula."""
+    from kt_serve.kernel.norm import gemma_rms_norm_heads
+
+    from ..cpu_host.norm import fp32_weight_of
+
+    if x.dtype == torch.bfloat16 and weight.dim() == 1 and weight.shape[0] == head_dim:
+        out = x.reshape(x.shape[0], heads * head_dim).clone(memory_format=torch.contiguous_format)
+        return gemma_rms_norm_heads(out, fp32_weight_of(weight, plus_one=True), eps, head_dim).view(-1, head_dim)
     xf = x.reshape(x.shape[0], heads, head_dim).float()
     y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * (1.0 + weight.float())
     return y.to(x.dtype).reshape(-1, head_dim)
