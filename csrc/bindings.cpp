@@ -152,6 +152,15 @@ PYBIND11_MODULE(_kernel, m) {
       },
       "A MoE block: the experts routed by softmax top-k of the gate's logits (csrc/moe/router.h).");
   m.def(
+      "route_logits_and_forward",
+      [](kt::MoEExperts& experts, int T, int k, bool renormalize, uintptr_t x, uintptr_t logits, int64_t ld,
+         uintptr_t slots, int uniform_slot, uintptr_t out) {
+        py::gil_scoped_release nogil;
+        kt::route_logits_and_forward(experts, T, k, renormalize, ptr<const bf16>(x), ptr<const bf16>(logits), ld,
+                                     ptr<const int32_t>(slots), uniform_slot, ptr<bf16>(out));
+      },
+      "A MoE block routed by softmax top-k of given bf16 gate logits (csrc/moe/router.h).");
+  m.def(
       "softmax_topk",
       [](int T, int E, uintptr_t logits, int64_t ld, int k, bool renormalize, uintptr_t ids, uintptr_t weights) {
         py::gil_scoped_release nogil;

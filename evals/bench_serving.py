@@ -34,6 +34,8 @@ after row, --repeats times, the median run kept, so a slow drift of the machine 
   kt int4 dense int8 head int8 / ... head int4   ... and --kt-lm-head-dtype
   <kt row> @baseline   with --baseline-python PYTHON: the same row served from another install (a venv holding the
                 previous commit, say), so a change's before and after are measured in one run
+  llama.cpp q8_0 / q4_0   "llama.cpp base" on the GGUF quantized by llama.cpp's llama-quantize (its default mix:
+                output and embeddings kept at higher precision); the peers of "kt int8 dense int8" / "kt int4 dense int4"
   llama.cpp base / expert / mixed   llama-server (-t = the kernel's threads, -np = the most streams) on the same
                 weights as a BF16 GGUF and the same adapters as GGUF LoRAs (llama.cpp's own converters; the
                 composite ones through kt_serve.convert's merged PEFT adapter), chosen per request by the ``lora``
@@ -87,8 +89,10 @@ from evals.llamacpp import LlamaCpp, LlamaCppUnavailable, LlamaServer  # noqa: E
 from kt_serve.harness.report import markdown_table, write_report  # noqa: E402
 
 LLAMA_ROWS = ("llama.cpp base", "llama.cpp expert", "llama.cpp mixed")
+LLAMA_QUANT_ROWS = {"llama.cpp q8_0": "Q8_0", "llama.cpp q4_0": "Q4_0"}  # the BF16 GGUF through llama-quantize
 BASELINE = " @baseline"  # suffix of a kt row served from --baseline-python
-LLAMA_PEER = {"kt base": "llama.cpp base", "kt expert": "llama.cpp expert", "kt mixed": "llama.cpp mixed"}
+LLAMA_PEER = {"kt base": "llama.cpp base", "kt expert": "llama.cpp expert", "kt mixed": "llama.cpp mixed",
+              "kt int8 dense int8": "llama.cpp q8_0", "kt int4 dense int4": "llama.cpp q4_0"}
 
 
 class PeakRSS:
@@ -378,11 +382,11 @@ def main(argv=None):
     if "kt adapter+le" in a.rows and not qwen35:
         comp_le = write_kt_adapter(out / "a_le", model, seed=2, rank=8, alpha=16.0, lora_experts=2,
                                    lora_expert_size=1024)
-    llama_rows = [name for name in a.rows if name in LLAMA_ROWS]
+    llama_rows = [name for name in a.rows if name in LLAMA_ROWS or name in LLAMA_QUANT_ROWS]
     if llama_rows:
         llama = llama_cpp_models(out, model, expert, comp_a, comp_b, a.llama_server)
         if llama is None:
-            a.rows = [name for name in a.rows if name not in LLAMA_ROWS]
+            a.rows = [name for name in a.rows if name not in llama_rows]
     lora = ["--enable-lora", "--lora-backend", "torch_native", "--max-loras-per-batch", "4"]
     rows = {
         "sglang": ([], {"SGLANG_PLUGINS": "none", **USER_ENV}, [model]),
@@ -405,10 +409,16 @@ def main(argv=None):
     requests = {name: [{"model": m} for m in models] for name, (_, _, models) in rows.items()}
     # llama.cpp: adapters 0 (expert), 1 (a), 2 (b) loaded at scale 0; a request's lora field turns its own on
     on = lambda i: {"lora": [{"id": i, "scale": 1.0}]}  # noqa: E731
-    requests.update({"llama.cpp base": [{}], "llama.cpp expert": [on(0)], "llama.cpp mixed": [{}, on(1), on(2)]})
+    requests.update({"llama.cpp base": [{}], "llama.cpp expert": [on(0)], "llama.cpp mixed": [{}, on(1), on(2)],
+                     **{name: [{}] for name in LLAMA_QUANT_ROWS}})
 
     def start(stack, name):
         log = out / f"{name.replace(' ', '_')}.log"
+        if name in LLAMA_QUANT_ROWS:
+            binary, gguf, _ = llama
+            quantized = binary.quantize(gguf, LLAMA_QUANT_ROWS[name], out / f"model-{LLAMA_QUANT_ROWS[name]}.gguf")
+            return stack.enter_context(LlamaServer(binary, quantized, [], threads=num_threads(),
+                                                   parallel=max(a.streams), ctx_per_slot=1024, log_path=log))
         if name in LLAMA_ROWS:
             binary, gguf, adapters = llama
             return stack.enter_context(LlamaServer(binary, gguf, adapters if name != "llama.cpp base" else [],

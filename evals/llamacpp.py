@@ -138,6 +138,20 @@ class LlamaCpp:
             Path(str(out) + ".partial").rename(out)
         return out
 
+    def quantize(self, gguf: Path, kind: str, out: Path) -> Path:
+        """The GGUF quantized to ``kind`` (Q8_0, Q4_0, ...) by llama.cpp's own llama-quantize (built beside
+        llama-server when missing), with its default choices for the output and embedding tensors."""
+        if not out.is_file():
+            tool = self.server.parent / "llama-quantize"
+            if not tool.is_file():
+                build = self.server.parents[1]
+                _run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", "llama-quantize"],
+                     "building llama-quantize", build.parent / "build.log")
+            _run([str(tool), str(gguf), str(out) + ".partial", kind, str(os.cpu_count() or 2)],
+                 f"llama-quantize {gguf.name} {kind}", out.with_suffix(".log"))
+            Path(str(out) + ".partial").rename(out)
+        return out
+
     def convert_adapter(self, adapter_dir: Path, model_dir: Path, out: Path) -> Path:
         """A PEFT adapter (per-expert keys for expert LoRA) as a GGUF LoRA, by llama.cpp's own converter."""
         if not out.is_file():

@@ -51,10 +51,16 @@ void route_and_forward(const PackedLinear& gate, MoEExperts& experts, int T, int
                                 ", " + std::to_string(H) + "]");
   if (T <= 0) return;
   bf16* logits = tl_logits.get(static_cast<size_t>(T) * E);
+  gate.forward(T, x, H, nullptr, logits, E, false);  // bf16 logits, as SGLang's bf16 gate gives them
+  route_logits_and_forward(experts, T, k, renormalize, x, logits, E, slots, uniform_slot, out);
+}
+
+void route_logits_and_forward(MoEExperts& experts, int T, int k, bool renormalize, const bf16* x, const bf16* logits,
+                              int64_t ld, const int32_t* slots, int uniform_slot, bf16* out) {
+  if (T <= 0) return;
   int32_t* ids = tl_ids.get(static_cast<size_t>(T) * k);
   float* weights = tl_weights.get(static_cast<size_t>(T) * k);
-  gate.forward(T, x, H, nullptr, logits, E, false);  // bf16 logits, as SGLang's bf16 gate gives them
-  softmax_topk(T, E, logits, E, k, renormalize, ids, weights);
+  softmax_topk(T, experts.num_experts(), logits, ld, k, renormalize, ids, weights);
   experts.forward(T, k, x, ids, false, weights, slots, uniform_slot, out, false, Dropout{0.0, 0});
 }
 

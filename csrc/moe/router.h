@@ -21,4 +21,9 @@ void softmax_topk(int T, int E, const bf16* logits, int64_t ld, int k, bool reno
 void route_and_forward(const PackedLinear& gate, MoEExperts& experts, int T, int k, bool renormalize, const bf16* x,
                        const int32_t* slots, int uniform_slot, bf16* out);
 
+// The same from the gate's bf16 logits [T, E] (rows ld apart) computed elsewhere: SGLang's gate module with the
+// router LoRA of the requests' adapters, so such a batch routes with the same arithmetic as one without.
+void route_logits_and_forward(MoEExperts& experts, int T, int k, bool renormalize, const bf16* x, const bf16* logits,
+                              int64_t ld, const int32_t* slots, int uniform_slot, bf16* out);
+
 }  // namespace kt

@@ -340,17 +340,23 @@ class MoEExperts:
         """A whole Qwen2/Qwen3-style MoE block in one call: the routed experts of
         ``softmax_topk(bf16(gate(x)))`` (the k largest logits, weights = softmax over all experts, renormalised
         over the k when ``renormalize``), as SGLang's torch-native top-k routes them. ``gate``: a
-        :class:`kt_serve.kernel.linear.PackedLinear` [experts, hidden] without bias. A serving forward (no backward)."""
+        :class:`kt_serve.kernel.linear.PackedLinear` [experts, hidden] without bias, or the gate's bf16 logits
+        [T, experts] computed by the caller (with its router LoRA). A serving forward (no backward)."""
         T = int(x.shape[0]) if isinstance(x, torch.Tensor) and x.dim() == 2 else -1
         expect(x, "x", (torch.bfloat16,), (T, self.hidden_size))
         if T > self.max_tokens:
             raise ValueError(f"x has T={T} tokens, more than max_tokens={self.max_tokens} of this MoEExperts")
         if not 1 <= top_k <= self.num_experts:
             raise ValueError(f"top_k must be in 1..{self.num_experts}, got {top_k}")
-        if gate.bias is not None:
+        if not isinstance(gate, torch.Tensor) and gate.bias is not None:
             raise ValueError("the gate of forward_routed must have no bias")
         slots_ptr, uniform_slot = self.slots_arg(slots, T)
         out = torch.empty((T, self.hidden_size), dtype=torch.bfloat16)
+        if isinstance(gate, torch.Tensor):  # the gate's logits, computed by the caller
+            expect(gate, "logits", (torch.bfloat16,), (T, self.num_experts))
+            _kernel.route_logits_and_forward(self.native, T, int(top_k), bool(renormalize), x.data_ptr(),
+                                             gate.data_ptr(), self.num_experts, slots_ptr, uniform_slot, out.data_ptr())
+            return out
         _kernel.route_and_forward(gate.native, self.native, T, int(top_k), bool(renormalize), x.data_ptr(), slots_ptr,
                                   uniform_slot, out.data_ptr())
         return out

@@ -167,7 +167,7 @@ def _attention(i: int, attn, radix, backend, forward_batch, gated: bool):
 
 def _gdn(i: int, la, linear_backend):
     """The add_gdn_layer arguments of a Qwen3.5 Gated DeltaNet module, and the state buffers it reads."""
-    from ..models.qwen35_gdn import _kv_view
+    from ..models.qwen35_gdn import kv_view
     from .norm import fp32_weight
 
     Hk, Hv, Dk, Dv, K = la.num_k_heads, la.num_v_heads, la.head_k_dim, la.head_v_dim, la.conv_kernel_size
@@ -189,7 +189,7 @@ def _gdn(i: int, la, linear_backend):
     args = dict(in_proj_qkvz=_packed(i, "in_proj_qkvz", la.in_proj_qkvz), in_proj_ba=_packed(i, "in_proj_ba", la.in_proj_ba),
                 out_proj=_packed(i, "out_proj", la.out_proj), key_heads=Hk, value_heads=Hv, key_dim=Dk, value_dim=Dv,
                 conv_weight=conv_w.contiguous(), conv_bias=la.conv1d.bias, conv_silu=True, conv_states=conv_states,
-                ssm_states=_kv_view(ssm_pool, Dk, Dv), A_log=la.A_log.data, dt_bias=la.dt_bias.data,
+                ssm_states=kv_view(ssm_pool, Dk, Dv), A_log=la.A_log.data, dt_bias=la.dt_bias.data,
                 norm_weight=fp32_weight(norm), norm_eps=norm.eps, sigmoid_gate=norm.activation == "sigmoid")
     pool = linear_backend.req_to_token_pool
     buffers = [(lambda: pool.mamba2_layer_cache(lid).conv[0], conv_states),

@@ -11,9 +11,9 @@ set from the caches, so each of those Python steps runs cold: timing a Qwen3-30B
 server put the block at 0.8 ms per layer beyond its two weight streams (evals/bench_cpu_ops.py --cold shows the
 effect on single ops). When the block is plain, :meth:`kt_serve.kernel.experts.MoEExperts.forward_routed` runs all of it
 in C++ with SGLang's routing arithmetic (bf16 gate logits, fp32 softmax over all experts, top-k, renormalised as
-the model asks). Anything else keeps SGLang's path, with the reason logged once: router LoRA in a request's
-adapter, EPLB or expert-location dispatch, routed-expert capture, an expert distribution recording, padded token
-counts, grouped / biased / custom routing, shared top-k slots, waterfill, tensor or expert parallelism.
+the model asks); with router LoRA in a request's adapter, SGLang's gate module (which the plugin's gate LoRA wraps)
+gives the logits and the kernel routes from them. Anything else keeps SGLang's path, with the reason logged once:
+EPLB or expert-location dispatch, routed-expert capture, an expert distribution recording, padded token counts, grouped / biased / custom routing, shared top-k slots, waterfill, tensor or expert parallelism.
 ``--kt-cpu-ops auto|on|off`` with linear.py, which packs the gate.
 
 Also here, on every CPU host: SGLang's fused shared-expert gate ops (Qwen2-MoE / Qwen3.5), which have no CPU
@@ -115,14 +115,25 @@ def _routed(block, x: torch.Tensor):
     elif x.dim() != 2 or x.device.type != "cpu" or x.dtype != torch.bfloat16:
         reason = "an input that is not a CPU bf16 [tokens, hidden] tensor"
     else:
-        reason = batch_reason(x.shape[0]) or router_lora_reason((plan.gate_key,))
+        reason = batch_reason(x.shape[0])
     if reason is not None:
         log_once(logger, f"MoE blocks keep SGLang's router path: {reason}")
         return None
-    log_once(logger, "MoE blocks in one kernel call (router gate, softmax top-k, routed experts)")
     x = x if x.is_contiguous() else x.contiguous()
     slots = get_registry().slots_for(x.shape[0])
-    return plan.experts.forward_routed(x, plan.gate, plan.top_k, plan.renormalize, slots)
+    gate = plan.gate
+    if router_lora_reason((plan.gate_key,)) is not None:
+        # the gate module (which the plugin's gate LoRA wraps) gives the logits; routing and experts stay the
+        # kernel's, so the batch's other requests get what a batch without router LoRA gives them
+        log_once(logger, "MoE blocks with router LoRA: SGLang's gate module for the logits, then one kernel call")
+        logits = block.gate(x)
+        logits = logits[0] if isinstance(logits, tuple) else logits
+        if logits.dtype != torch.bfloat16 or logits.shape != (x.shape[0], plan.experts.num_experts):
+            return None
+        gate = logits.contiguous()
+    else:
+        log_once(logger, "MoE blocks in one kernel call (router gate, softmax top-k, routed experts)")
+    return plan.experts.forward_routed(x, gate, plan.top_k, plan.renormalize, slots)
 
 
 def forward_normal(original, block, hidden_states: torch.Tensor):

@@ -41,7 +41,7 @@ CHUNK = 64  # the real kernel's chunk size (fla.cpp) and transformers' default
 CHUNKS_PER_BLOCK = 32  # intra-chunk tensors are built this many chunks at a time (bounds prefill memory)
 
 
-def _kv_view(pool: torch.Tensor, dk: int, dv: int) -> torch.Tensor:
+def kv_view(pool: torch.Tensor, dk: int, dv: int) -> torch.Tensor:
     """The state pool seen as [slots, Hv, Dk, Dv]."""
     if tuple(pool.shape[-2:]) == (dk, dv):
         return pool
@@ -199,7 +199,7 @@ def fused_sigmoid_gating_delta_rule_update_cpu(A_log, dt_bias, q, k, v, a, b, in
     Returns [batch, 1, Hv, Dv] in q's dtype."""
     steps, batch, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
-    pool = _kv_view(initial_state_source, dk, dv)
+    pool = kv_view(initial_state_source, dk, dv)
     if USE_KERNEL:
         out = gdn.recurrent_step(A_log, dt_bias, q, k, v, a, b, pool, initial_state_indices, use_qk_l2norm_in_kernel,
                                  softplus_beta, softplus_threshold)
@@ -334,7 +334,7 @@ def chunk_gated_delta_rule_cpu(query, key, value, g, beta, initial_state, output
     cu = cu_seqlens.to(torch.int64)
     n_seq = cu.numel() - 1
     lens = cu[1:] - cu[:-1]
-    pool = _kv_view(initial_state, dk, dv)
+    pool = kv_view(initial_state, dk, dv)
     if initial_state_indices is None:
         idx, use = torch.arange(n_seq), torch.ones(n_seq, dtype=torch.bool)
     else:
