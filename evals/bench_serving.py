@@ -31,11 +31,11 @@ after row, --repeats times, the median run kept, so a slow drift of the machine 
   kt adapter+le ... :a with KT-FT LoRA Experts added (N 2, intermediate 1024, KT's defaults)
   kt int8 / kt int4 / kt fp8   "kt base" with --kt-expert-dtype int8 / int4 / fp8 (experts quantized at load)
   kt int8 dense int8 / kt int4 dense int8 / kt int4 dense int4   ... and --kt-dense-dtype (attention too)
-  kt int4 dense int8 head int8 / ... head int4   ... and --kt-lm-head-dtype
+  kt int4 dense int8|int4 head int8|int4   ... and --kt-lm-head-dtype
   <kt row> @baseline   with --baseline-python PYTHON: the same row served from another install (a venv holding the
                 previous commit, say), so a change's before and after are measured in one run
   llama.cpp q8_0 / q4_0   "llama.cpp base" on the GGUF quantized by llama.cpp's llama-quantize (its default mix:
-                output and embeddings kept at higher precision); the peers of "kt int8 dense int8" / "kt int4 dense int4"
+                output at Q6_K); the peers of "kt int8 dense int8" and "kt int4 dense int4" (and its "head int8")
   llama.cpp base / expert / mixed   llama-server (-t = the kernel's threads, -np = the most streams) on the same
                 weights as a BF16 GGUF and the same adapters as GGUF LoRAs (llama.cpp's own converters; the
                 composite ones through kt_serve.convert's merged PEFT adapter), chosen per request by the ``lora``
@@ -92,7 +92,8 @@ LLAMA_ROWS = ("llama.cpp base", "llama.cpp expert", "llama.cpp mixed")
 LLAMA_QUANT_ROWS = {"llama.cpp q8_0": "Q8_0", "llama.cpp q4_0": "Q4_0"}  # the BF16 GGUF through llama-quantize
 BASELINE = " @baseline"  # suffix of a kt row served from --baseline-python
 LLAMA_PEER = {"kt base": "llama.cpp base", "kt expert": "llama.cpp expert", "kt mixed": "llama.cpp mixed",
-              "kt int8 dense int8": "llama.cpp q8_0", "kt int4 dense int4": "llama.cpp q4_0"}
+              "kt int8 dense int8": "llama.cpp q8_0", "kt int4 dense int4": "llama.cpp q4_0",
+              "kt int4 dense int4 head int8": "llama.cpp q4_0"}  # Q4_0 keeps its output tensor at Q6_K
 
 
 class PeakRSS:
@@ -402,8 +403,9 @@ def main(argv=None):
         **{f"kt {fmt}": (["--kt-expert-dtype", fmt], {}, [model]) for fmt in ("int8", "int4", "fp8")},
         **{f"kt {fmt} dense {dense}": (["--kt-expert-dtype", fmt, "--kt-dense-dtype", dense], {}, [model])
            for fmt, dense in (("int8", "int8"), ("int4", "int8"), ("int4", "int4"))},
-        **{f"kt int4 dense int8 head {head}": (["--kt-expert-dtype", "int4", "--kt-dense-dtype", "int8",
-                                                "--kt-lm-head-dtype", head], {}, [model]) for head in ("int8", "int4")},
+        **{f"kt int4 dense {dense} head {head}": (["--kt-expert-dtype", "int4", "--kt-dense-dtype", dense,
+                                                   "--kt-lm-head-dtype", head], {}, [model])
+           for dense in ("int8", "int4") for head in ("int8", "int4")},
     }
     rows.update({name + BASELINE: rows[name] for name in list(rows) if name.startswith("kt ")})
     requests = {name: [{"model": m} for m in models] for name, (_, _, models) in rows.items()}
