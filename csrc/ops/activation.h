@@ -1,5 +1,6 @@
-// The small elementwise steps around Qwen3.5's projections, with the roundings of SGLang's CPU ops: the decode stack (ops/decode_stack.h) and SGLang's layer loop (through the plugin's op hooks) call these
-// same functions, so a request's tokens do not depend on which of the two ran its step.
+// The small elementwise steps around Qwen3.5's projections, with the roundings of SGLang's CPU ops: the decode stack
+// (ops/decode_stack.h) and SGLang's layer loop (through the plugin's op hooks) call these same functions, so a
+// request's tokens do not depend on which of the two ran its step.
 #pragma once
 #include <cstdint>
 

@@ -3,8 +3,8 @@ Qwen3-MoE and Qwen3.5-MoE.
 
 With the plugin's CPU ops every piece of a decode layer already runs in our kernel (packed projections and router,
 C++ norms, q / k norm + rotary, kt_cpu attention with its KV write, the GDN conv and recurrent step, the MoE block),
-yet timing a step inside the server (evals/profile_decode.py --timers) left a fifth of a Qwen3 step and nearly half
-of a Qwen3.5 one in the Python between those calls: SGLang's layer boundaries and residual stream, module calls, the
+yet timing a step inside the server (evals/profile_decode.py --timers) left a fifth of a Qwen3 step and nearly a
+third of a Qwen3.5 one in the Python between those calls: SGLang's layer boundaries and residual stream, module calls, the
 attention backends' dispatch, the GDN glue, each run cold after the weight streams that evicted the interpreter's
 working set. A decode batch that every layer's fast path would take now runs as the token embeddings then one
 :class:`kt_serve.kernel.decode_stack.DecodeStack` call (all layers and the final norm), then SGLang's logits
@@ -58,7 +58,7 @@ def _packed(i: int, what: str, module):
     return packed
 
 
-def _norm_weight(i: int, what: str, norm, n: int) -> torch.Tensor:
+def _norm_weight(what: str, norm, n: int) -> torch.Tensor:
     """An RMSNorm's bf16 weight, or a Gemma RMSNorm's fp32 1 + weight (what the kernel's norms take)."""
     from sglang.srt.layers.layernorm import GemmaRMSNorm
 
@@ -70,7 +70,7 @@ def _norm_weight(i: int, what: str, norm, n: int) -> torch.Tensor:
     w = getattr(norm, "weight", None)
     if type(norm) is GemmaRMSNorm and isinstance(w, torch.Tensor) and w.shape == (n,) and w.device.type == "cpu":
         return fp32_weight(norm, plus_one=True)
-    raise _Refused(f"layer {i}'s {what} is neither a plain bf16 RMSNorm nor a Gemma RMSNorm")
+    raise _Refused(f"{what} is neither a plain bf16 RMSNorm nor a Gemma RMSNorm")
 
 
 _LORA_BUFFERS = {"QKVParallelLinearWithLoRA": ("A_buffer_qkv", "B_buffer_qkv")}
@@ -156,8 +156,8 @@ def _attention(i: int, attn, radix, backend, forward_batch, gated: bool):
     k_cache, v_cache = pool.get_key_buffer(radix.layer_id), pool.get_value_buffer(radix.layer_id)
     args = dict(qkv=_packed(i, "qkv_proj", attn.qkv_proj), o_proj=_packed(i, "o_proj", attn.o_proj),
                 q_heads=attn.num_heads, kv_heads=attn.num_kv_heads, head_dim=D, output_gate=gated,
-                q_norm=_norm_weight(i, "q_norm", attn.q_norm, D), q_eps=attn.q_norm.variance_epsilon,
-                k_norm=_norm_weight(i, "k_norm", attn.k_norm, D), k_eps=attn.k_norm.variance_epsilon,
+                q_norm=_norm_weight(f"layer {i}'s q_norm", attn.q_norm, D), q_eps=attn.q_norm.variance_epsilon,
+                k_norm=_norm_weight(f"layer {i}'s k_norm", attn.k_norm, D), k_eps=attn.k_norm.variance_epsilon,
                 cos_sin=fp32_cos_sin_cache(rope), rotary_dim=rope.rotary_dim, neox=rope.is_neox_style,
                 k_cache=k_cache, v_cache=v_cache, scale=radix.scaling)
     lid = radix.layer_id
@@ -250,7 +250,7 @@ def _build_stack(model, forward_batch):
     if not isinstance(full, backend_class()):
         raise _Refused(f"attention backend {type(full).__name__}, not kt_cpu")
     H = model.config.hidden_size
-    stack = DecodeStack(H, _norm_weight(-1, "final norm", model.norm, H), model.norm.variance_epsilon)
+    stack = DecodeStack(H, _norm_weight("the final norm", model.norm, H), model.norm.variance_epsilon)
     buffers, gate_keys, lora_backend, lora_reason = [], [], None, None
     for i, (layer, kind, mixer) in enumerate(layers):
         if getattr(layer, "_is_layer_to_capture", False):
@@ -258,9 +258,9 @@ def _build_stack(model, forward_batch):
         if not getattr(layer, "is_layer_sparse", True):
             raise _Refused(f"layer {i} has a dense MLP")
         moe, keys = _moe(i, layer.mlp, H)
-        norms = dict(input_norm=_norm_weight(i, "input_layernorm", layer.input_layernorm, H),
+        norms = dict(input_norm=_norm_weight(f"layer {i}'s input_layernorm", layer.input_layernorm, H),
                      input_eps=layer.input_layernorm.variance_epsilon,
-                     post_norm=_norm_weight(i, "post_attention_layernorm", layer.post_attention_layernorm, H),
+                     post_norm=_norm_weight(f"layer {i}'s post_attention_layernorm", layer.post_attention_layernorm, H),
                      post_eps=layer.post_attention_layernorm.variance_epsilon)
         if kind == "gdn":
             if linear is None or not hasattr(linear, "req_to_token_pool"):

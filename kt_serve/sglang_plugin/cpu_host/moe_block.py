@@ -13,7 +13,8 @@ effect on single ops). When the block is plain, :meth:`kt_serve.kernel.experts.M
 in C++ with SGLang's routing arithmetic (bf16 gate logits, fp32 softmax over all experts, top-k, renormalised as
 the model asks); with router LoRA in a request's adapter, SGLang's gate module (which the plugin's gate LoRA wraps)
 gives the logits and the kernel routes from them. Anything else keeps SGLang's path, with the reason logged once:
-EPLB or expert-location dispatch, routed-expert capture, an expert distribution recording, padded token counts, grouped / biased / custom routing, shared top-k slots, waterfill, tensor or expert parallelism.
+EPLB or expert-location dispatch, routed-expert capture, an expert distribution recording, padded token counts,
+grouped / biased / custom routing, shared top-k slots, waterfill, tensor or expert parallelism.
 ``--kt-cpu-ops auto|on|off`` with linear.py, which packs the gate.
 
 Also here, on every CPU host: SGLang's fused shared-expert gate ops (Qwen2-MoE / Qwen3.5), which have no CPU
