@@ -299,6 +299,8 @@ def test_cpu_ops_run_on_the_kernel(server_q3):
         # decode batches ran as one DecodeStack call (cpu_host/decode_stack.py), the adapters' q/k/v and o LoRA in it
         assert re.search(r"decode steps in one kernel call \(\d+ layers and the final norm\)", log), log[-3000:]
         assert "decode steps apply SGLang's LoRA of the layers' projections inside that call" in log, log[-3000:]
+    # decode logits straight from the packed lm_head (cpu_host/linear.py decode_logits): the logprobs compared above
+    assert "decode logits straight from the packed lm_head" in log, log[-3000:]
     released = re.search(r"([0-9.]+) MiB of torch weights released", log)  # the tests above ran without them
     assert released and float(released.group(1)) > 0, log[-3000:]
 

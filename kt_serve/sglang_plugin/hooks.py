@@ -97,6 +97,7 @@ def _register_cpu_host_hooks(hook) -> None:
         hook(f"{MODEL_RUNNER}.load_model", linear.after_load_model, "AFTER")
         hook(f"{UNQUANTIZED_LINEAR}.apply", linear.linear_apply, "AROUND")
         hook(f"{LOGITS_PROCESSOR}._compute_lm_head", linear.compute_lm_head, "AROUND")
+        hook(f"{LOGITS_PROCESSOR}.forward", linear.decode_logits, "AROUND")
         hook(f"{LORA_MANAGER}.init_lora_modules", linear.refuse_lora_on_quantized_lm_head, "AFTER")
         hook(f"{TORCH_LORA_BACKEND}.sgemm_lora_a_fwd", lora_segments.sgemm_lora_a_fwd, "AROUND")
         hook(f"{TORCH_LORA_BACKEND}.sgemm_lora_b_fwd", lora_segments.sgemm_lora_b_fwd, "AROUND")

@@ -14,6 +14,9 @@ loudly) unless something reads it besides the quant method: the shared-expert ga
 takes the weight), a weight tied to another module (embeddings), and lm_head with LoRA enabled (SGLang's LoRA
 lm_head runs F.linear on the weight).
 
+A plain decode batch's logits come straight from the packed lm_head (:func:`decode_logits`), past SGLang's logits
+processor and its 0.3 ms a step of Python around the same product.
+
 ``--kt-cpu-ops auto|on|off`` (auto: with ``--kt-moe on``; norm.py is the other half).
 
 SGLang 0.5.23 runs FP8 linears on a CPU only with AMX and sgl_kernel's ``fp8_scaled_mm_cpu`` ("Fp8LinearMethod on
@@ -125,11 +128,58 @@ def compute_lm_head(original, processor, hidden_states, lm_head, embedding_bias=
     if (packed is None or hasattr(lm_head, "set_lora") or hidden_states.device.type != "cpu"
             or hidden_states.dtype != torch.bfloat16):
         return original(processor, hidden_states, lm_head, embedding_bias, **kwargs)
-    fp32 = getattr(processor, "use_fp32_lm_head", False) or getattr(processor, "use_fp32_lm_head_output", False)
-    logits = packed.forward(hidden_states, out_dtype=torch.float32 if fp32 else torch.bfloat16)
+    logits = _packed_logits(processor, hidden_states, packed)
     if embedding_bias is not None:
         logits += embedding_bias
     return logits
+
+
+def _packed_logits(processor, hidden_states, packed):
+    fp32 = getattr(processor, "use_fp32_lm_head", False) or getattr(processor, "use_fp32_lm_head_output", False)
+    return packed.forward(hidden_states, out_dtype=torch.float32 if fp32 else torch.bfloat16)
+
+
+def _plain_decode_logits(processor, forward_batch, hidden_states, lm_head, aux_hidden_states,
+                         hidden_states_before_norm) -> bool:
+    """Whether LogitsProcessor.forward would do no more for this batch than lm_head (next-token logits only)."""
+    from sglang.srt.layers import layernorm_sp, logits_processor
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    capture = getattr(forward_batch, "capture_hidden_mode", None)
+    return (isinstance(forward_batch, ForwardBatch) and forward_batch.forward_mode.is_decode()
+            and getattr(logits_processor, "_autotune_run_lm_head", None) is not False
+            and aux_hidden_states is None and hidden_states_before_norm is None
+            and (capture is None or not capture.need_capture())
+            and getattr(forward_batch, "spec_info", None) is None
+            and getattr(forward_batch, "next_token_logits_buffer", None) is None
+            and getattr(forward_batch, "multi_item_delimiter_indices", None) is None
+            and getattr(forward_batch, "token_indices_to_pool", None) is None
+            and processor.logit_scale is None and not processor.final_logit_softcapping
+            and not processor.do_tensor_parallel_all_gather and not processor.do_tensor_parallel_all_gather_dp_attn
+            and getattr(processor, "expected_aux_hidden_states", None) is None
+            and not layernorm_sp.runs_sp(forward_batch.forward_mode)
+            and packed_of(lm_head) is not None and not hasattr(lm_head, "set_lora")
+            and isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 2
+            and hidden_states.dtype == torch.bfloat16 and hidden_states.device.type == "cpu")
+
+
+def decode_logits(original, processor, input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states=None,
+                  hidden_states_before_norm=None):
+    """AROUND LogitsProcessor.forward: a plain CPU decode batch's next-token logits straight from the packed lm_head.
+    SGLang's forward would build a LogitsMetadata, prune, gather and copy around the same product (0.3 ms a step of
+    Python, evals/profile_decode.py --timers); decode logprobs come from the sampler either way."""
+    if not _plain_decode_logits(processor, logits_metadata, hidden_states, lm_head, aux_hidden_states,
+                                hidden_states_before_norm):
+        return original(processor, input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states,
+                        hidden_states_before_norm)
+    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+
+    log_once(logger, "decode logits straight from the packed lm_head (SGLang's logits processor skipped)")
+    logits = _packed_logits(processor, hidden_states, packed_of(lm_head))
+    if logits.shape[-1] > processor.vocab_size:  # a padded lm_head, cut and made fp32 as _copy_logits_to_buffer does
+        logits = logits[:, :processor.vocab_size]
+    return LogitsProcessorOutput(next_token_logits=logits.float(),
+                                 mm_input_embeds=getattr(logits_metadata, "mm_input_embeds", None))
 
 
 def refuse_lora_on_quantized_lm_head(result, manager, *args, **kwargs):
