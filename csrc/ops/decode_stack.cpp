@@ -86,8 +86,7 @@ void DecodeStack::check_moe(const MoEBlock& m, int i) const {
 void DecodeStack::add_attention_layer(NormWeight input_norm, NormWeight post_norm, const AttentionMixer& a,
                                       const MoEBlock& moe) {
   const int i = num_layers();
-  expect(valid(input_norm) && valid(post_norm) && valid(a.q_norm) && valid(a.k_norm),
-         "each norm needs one weight (bf16 w or Gemma's fp32 1 + w)", i);
+  expect(valid(a.q_norm) && valid(a.k_norm), "each norm needs one weight (bf16 w or Gemma's fp32 1 + w)", i);
   expect(a.Hq > 0 && a.Hkv > 0 && a.D > 0 && a.D <= kMaxHeadDim && a.Hq % a.Hkv == 0,
          "q heads must be a multiple of kv heads, head_dim in 1.." + std::to_string(kMaxHeadDim), i);
   const int64_t q_rows = static_cast<int64_t>(a.Hq) * a.D * (a.output_gate ? 2 : 1);
@@ -98,18 +97,14 @@ void DecodeStack::add_attention_layer(NormWeight input_norm, NormWeight post_nor
          "rotary_dim must be even and in (0, head_dim], with a cos/sin cache", i);
   expect(a.k_cache && a.v_cache && a.ldk >= a.Hkv * a.D && a.ldv >= a.Hkv * a.D && a.cache_slots > 0,
          "KV cache rows must hold kv_heads * head_dim values", i);
-  check_moe(moe, i);
   DecoderLayer l;
-  l.input_norm = input_norm;
-  l.post_norm = post_norm;
   l.attn = a;
-  l.moe = moe;
-  layers_.push_back(l);
+  push(input_norm, post_norm, l, moe);
 }
 
 void DecodeStack::add_gdn_layer(NormWeight input_norm, NormWeight post_norm, const GdnMixer& g, const MoEBlock& moe) {
   const int i = num_layers();
-  expect(valid(input_norm) && valid(post_norm) && g.norm_w, "a norm weight is missing", i);
+  expect(g.norm_w != nullptr, "the gated norm's weight is missing", i);
   expect(g.Hk > 0 && g.Hv > 0 && g.Hv % g.Hk == 0 && g.Dk > 0 && g.Dv > 0 && g.conv_kernel >= 2 && g.conv_w,
          "GDN heads: value heads must be a multiple of key heads, a conv of 2 taps or more", i);
   const int64_t key_dim = static_cast<int64_t>(g.Hk) * g.Dk, value_dim = static_cast<int64_t>(g.Hv) * g.Dv;
@@ -118,12 +113,18 @@ void DecodeStack::add_gdn_layer(NormWeight input_norm, NormWeight post_norm, con
   expect(shaped(g.out, H_, value_dim), "out_proj is not [hidden, value_dim]", i);
   expect(g.conv.data && g.conv.slots > 0 && g.ssm.data && g.ssm.slots > 0 && g.A_log.data && g.dt_bias.data,
          "GDN state pools, A_log and dt_bias are required", i);
-  check_moe(moe, i);
   DecoderLayer l;
-  l.input_norm = input_norm;
-  l.post_norm = post_norm;
   l.is_gdn = true;
   l.gdn = g;
+  push(input_norm, post_norm, l, moe);
+}
+
+void DecodeStack::push(NormWeight input_norm, NormWeight post_norm, DecoderLayer& l, const MoEBlock& moe) {
+  const int i = num_layers();
+  expect(valid(input_norm) && valid(post_norm), "each norm needs one weight (bf16 w or Gemma's fp32 1 + w)", i);
+  check_moe(moe, i);
+  l.input_norm = input_norm;
+  l.post_norm = post_norm;
   l.moe = moe;
   layers_.push_back(l);
 }

@@ -133,6 +133,8 @@ class DecodeStack {
 
  private:
   void check_moe(const MoEBlock& moe, int i) const;
+  // Layer l with its norms and MoE block appended, after the checks both layer kinds share.
+  void push(NormWeight input_norm, NormWeight post_norm, DecoderLayer& l, const MoEBlock& moe);
   void attention(const AttentionMixer& a, int B, const bf16* h, const int64_t* positions, const PagedKV& kv_rows,
                  const int64_t* req_pool_indices, const int64_t* seq_lens, const int64_t* cache_loc,
                  const LoRASegments* lora, bf16* out) const;

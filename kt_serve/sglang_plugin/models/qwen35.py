@@ -53,7 +53,8 @@ def _gemma_heads(x, weight, eps, heads, head_dim):
     from ..cpu_host.norm import fp32_weight_of
 
     if x.dtype == torch.bfloat16 and weight.dim() == 1 and weight.shape[0] == head_dim:
-        out = x.reshape(x.shape[0], heads * head_dim).clone(memory_format=torch.contiguous_format)
+        out = torch.empty(x.shape[0], heads * head_dim, dtype=x.dtype)  # a fresh copy: x may view the caller's qkv
+        out.view(x.shape[0], heads, head_dim).copy_(x.reshape(x.shape[0], heads, head_dim))
         return gemma_rms_norm_heads(out, fp32_weight_of(weight, plus_one=True), eps, head_dim).view(-1, head_dim)
     xf = x.reshape(x.shape[0], heads, head_dim).float()
     y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * (1.0 + weight.float())
