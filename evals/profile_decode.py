@@ -94,27 +94,32 @@ CALL_TIMER = Path(__file__).resolve().parent / "call_timer"
 
 
 def read_timers(prefix: Path) -> tuple[float, dict]:
-    """(time written, {"calls" | "modules" | "outermost": {name: [count, seconds]}}) summed over the server
-    processes that timed anything (evals/call_timer/sitecustomize.py)."""
+    """(time written, {"calls" | "modules" | "outermost": {name: [count, seconds]}, "intervals": {outermost module
+    class: [[start to next start, kernel seconds in it], ...]}}) summed over the server processes that timed anything
+    (evals/call_timer/sitecustomize.py)."""
     import json
 
     stamp = 0.0
     totals = {kind: collections.defaultdict(lambda: [0, 0.0]) for kind in ("calls", "modules", "outermost")}
+    totals["intervals"] = {}
     for path in prefix.parent.glob(prefix.name + ".*.json"):
         data = json.loads(path.read_text())
         stamp = max(stamp, data["time"])
-        for kind, table in totals.items():
+        totals["intervals"].update(data.get("intervals", {}))
+        for kind in ("calls", "modules", "outermost"):
             for name, (n, t) in data.get(kind, {}).items():
-                table[name][0] += n
-                table[name][1] += t
+                totals[kind][name][0] += n
+                totals[kind][name][1] += t
     return stamp, totals
 
 
 def window(before: tuple[float, dict], after: tuple[float, dict]) -> tuple[float, dict]:
-    """Seconds between two read_timers and what was timed in them: {kind: {name: (count, seconds)}}."""
+    """Seconds between two read_timers and what was timed in them: {kind: {name: (count, seconds)}}; the intervals
+    are the last read's."""
     (t0, a), (t1, b) = before, after
-    diff = {}
-    for kind, table in b.items():
+    diff = {"intervals": b["intervals"]}
+    for kind in ("calls", "modules", "outermost"):
+        table = b[kind]
         rows = {name: (n - a[kind].get(name, [0, 0.0])[0], t - a[kind].get(name, [0, 0.0])[1])
                 for name, (n, t) in table.items()}
         diff[kind] = {name: v for name, v in rows.items() if v[0]}
@@ -138,8 +143,25 @@ def step_rows(seconds: float, timed: dict) -> tuple[int, list]:
     return steps, sorted(rows, key=lambda r: -r[2])
 
 
+def fixed_cost(timed: dict) -> tuple | None:
+    """Medians over the model's last steps (start of one forward to the start of the next, so the gaps between
+    requests and the prefills drop out as outliers): (step ms, kernel ms in it, the rest ms, its p10, its p90)."""
+    import statistics
+
+    outer, intervals = timed["outermost"], timed["intervals"]
+    if not outer:
+        return None
+    model = max(outer, key=lambda name: outer[name][1])
+    steps = intervals.get(model, [])
+    if len(steps) < 10:
+        return None
+    rest = sorted(1e3 * (wall - kernel) for wall, kernel in steps)
+    return (1e3 * statistics.median(w for w, _ in steps), 1e3 * statistics.median(k for _, k in steps),
+            statistics.median(rest), rest[len(rest) // 10], rest[9 * len(rest) // 10])
+
+
 def profile(model: str, streams: int, seconds: int, server_args: list[str], log: Path, call_times: Path | None = None,
-            py_spy: bool = True) -> tuple[collections.Counter, list, tuple]:
+            py_spy: bool = True, idle: bool = False) -> tuple[collections.Counter, list, tuple]:
     """One server, ``streams`` greedy streams decoding for ``seconds``: py-spy's samples per part of the step (when
     ``py_spy``); with ``call_times`` (a file prefix) the timed kernel calls of the same window [(call, calls per
     second, µs per call, share of the wall time)], and without py-spy also the step's parts from the module timers
@@ -150,6 +172,8 @@ def profile(model: str, streams: int, seconds: int, server_args: list[str], log:
 
     env = None
     if call_times:
+        for stale in call_times.parent.glob(call_times.name + ".*.json"):  # an earlier run's server processes
+            stale.unlink()
         env = {"KT_SERVE_CALL_TIMES": str(call_times), "KT_SERVE_MODULE_TIMES": "0" if py_spy else "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(CALL_TIMER), os.environ.get("PYTHONPATH")]))}
     with SGLangServer(model, ["--max-running-requests", str(max(streams, 1)), *server_args], max_total_tokens=8192,
@@ -173,23 +197,23 @@ def profile(model: str, streams: int, seconds: int, server_args: list[str], log:
         if py_spy:
             with tempfile.NamedTemporaryFile(suffix=".txt") as raw:
                 subprocess.run([PY_SPY, "record", "--pid", str(scheduler.pid), "--duration", str(seconds), "--rate",
-                                "200", "--format", "raw", "--output", raw.name, "--nonblocking"], check=True,
+                                "200", "--format", "raw", "--output", raw.name, "--nonblocking", *(["--idle"] if idle else [])], check=True,
                                capture_output=True)
                 lines = Path(raw.name).read_text().splitlines()
             (log.parent / f"{log.stem}.pyspy.txt").write_text("\n".join(lines))  # py-spy's raw stacks
         else:
             time.sleep(seconds)
-        timed, steps = [], (0, [])
+        timed, steps, fixed = [], (0, []), None
         if call_times:
             time.sleep(1)  # the timer writes twice a second
             wall, diff = window(before, read_timers(call_times))
             for call, (n, t) in sorted(diff["calls"].items(), key=lambda kv: -kv[1][1]):
                 timed.append((call, n / wall, 1e6 * t / n, t / wall))
             if not py_spy:
-                steps = step_rows(wall, diff)
+                steps, fixed = step_rows(wall, diff), fixed_cost(diff)
         stop.set()
         thread.join()
-    return tally(lines), timed, steps
+    return tally(lines), timed, steps, fixed
 
 
 def main(argv=None):
@@ -201,6 +225,8 @@ def main(argv=None):
     ap.add_argument("--call-times", action="store_true", help="also time the kernel's calls inside the server")
     ap.add_argument("--timers", action="store_true",
                     help="no py-spy: the step's parts from wall clocks around every module and kernel call")
+    ap.add_argument("--idle", action="store_true",
+                    help="py-spy also samples the scheduler while it waits (a futex, a socket, a sleep)")
     ap.add_argument("--server-args", nargs=argparse.REMAINDER, default=[])
     a = ap.parse_args(argv)
     if PY_SPY is None and not a.timers:
@@ -211,12 +237,12 @@ def main(argv=None):
     if not (model / "config.json").is_file():
         build_preset_model(model, p)
     results = {s: profile(str(model), s, a.seconds, a.server_args, out / f"server_{s}.log",
-                          out / f"calls_{s}" if a.call_times or a.timers else None, py_spy=not a.timers)
+                          out / f"calls_{s}" if a.call_times or a.timers else None, py_spy=not a.timers, idle=a.idle)
                for s in a.streams}
     print(f"\npreset {a.preset}; server args {' '.join(a.server_args) or '(none)'}; "
           f"{'module and kernel timers' if a.timers else 'py-spy'}, {a.seconds} s per row")
     if a.timers:
-        for s, (_, _, (steps, rows)) in results.items():
+        for s, (_, _, (steps, rows), fixed) in results.items():
             if not steps:
                 print(f"\n{s} stream{'s' * (s > 1)}: no decode step timed (see {out / f'server_{s}.log'})")
                 continue
@@ -228,6 +254,10 @@ def main(argv=None):
                 if ms >= 0.005 * step:
                     print(f"| {part} | {'' if n is None else f'{n:.2f}'} | {ms:.3f} | {100 * ms / step:.1f}% |")
             print(f"| (parts under 0.5% each) | | {sum(ms for _, _, ms in rows if ms < 0.005 * step):.3f} | |")
+            if fixed:
+                print("median step (one forward's start to the next): {:.2f} ms, kernel calls {:.2f} ms, everything "
+                      "else (the fixed cost: scheduler, batch building, model Python, logits, sampling) {:.2f} ms "
+                      "(p10 {:.2f}, p90 {:.2f})".format(*fixed))
         return
     shares = {s: r[0] for s, r in results.items()}
     print("| part of the decode step | " + " | ".join(f"{s} stream{'s' * (s > 1)}" for s in a.streams) + " |")
@@ -236,7 +266,7 @@ def main(argv=None):
         cells = [f"{100 * shares[s][part] / max(sum(shares[s].values()), 1):.1f}%" for s in a.streams]
         if any(c != "0.0%" for c in cells):
             print(f"| {part} | " + " | ".join(cells) + " |")
-    for s, (_, timed, _) in results.items():
+    for s, (_, timed, _, _) in results.items():
         if a.call_times:
             print(f"\nkernel calls timed in the server, {s} stream{'s' * (s > 1)} (the py-spy window)")
             print("| call (input rows) | calls/s | µs per call | share of wall time |\n|---|---|---|---|")

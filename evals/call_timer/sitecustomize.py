@@ -7,12 +7,15 @@ py-spy's sampling leaves part of a call to its Python callers.
 With KT_SERVE_MODULE_TIMES=1 as well, torch's global module hooks (a public torch API, so every model family is
 covered the same way) also time every ``nn.Module`` call by class: its exclusive time (its own Python and torch
 ops, less the modules and kernel calls inside it), and per class of an outermost module (the model, the sampler)
-its calls and inclusive time, which count the steps. The hooks cost a few µs a module call: the step they measure
+its calls and inclusive time, which count the steps; and per class of an outermost module the last steps' intervals
+(start to next start) with the kernel time inside each, whose medians give a step's fixed cost free of the gaps
+between requests. The hooks cost a few µs a module call: the step they measure
 is that much slower than an untimed one."""
 
 import os
 
 if os.environ.get("KT_SERVE_CALL_TIMES"):
+    import collections
     import json
     import threading
     import time
@@ -25,6 +28,9 @@ if os.environ.get("KT_SERVE_CALL_TIMES"):
         calls: dict[str, list] = {}  # kernel call -> [count, seconds]
         exclusive: dict[str, list] = {}  # module class -> [count, seconds less its children]
         outermost: dict[str, list] = {}  # module class called at depth 0 -> [count, inclusive seconds]
+        intervals: dict[str, collections.deque] = {}  # that class -> [(start to next start, kernel seconds in it)]
+        last_start: dict[str, tuple] = {}  # that class -> (its last start, kernel seconds until then)
+        kernel_seconds = [0.0]  # every timed kernel call, summed
         local = threading.local()  # per thread: a stack of [start, seconds spent in children]
 
         def stack():
@@ -55,7 +61,7 @@ if os.environ.get("KT_SERVE_CALL_TIMES"):
                         shape = shape_of(*args)
                     except (IndexError, TypeError, AttributeError):  # called with keywords: no shape to name
                         shape = "x?"
-                    leave(calls, f"{kind} {shape}")
+                    kernel_seconds[0] += leave(calls, f"{kind} {shape}")
             return wrapper
 
         rows = lambda x: int(x.numel() // x.shape[-1]) if isinstance(x, torch.Tensor) and x.dim() else 0  # noqa: E731
@@ -80,7 +86,15 @@ if os.environ.get("KT_SERVE_CALL_TIMES"):
 
         if modules:
             def pre_hook(module, args):
-                stack().append([time.perf_counter(), 0.0])
+                now = time.perf_counter()
+                if not stack():
+                    key = type(module).__name__
+                    if key in last_start:
+                        start, kernel = last_start[key]
+                        intervals.setdefault(key, collections.deque(maxlen=1000)).append(
+                            (now - start, kernel_seconds[0] - kernel))
+                    last_start[key] = (now, kernel_seconds[0])
+                stack().append([now, 0.0])
 
             def post_hook(module, args, output):
                 if not stack():
@@ -101,7 +115,8 @@ if os.environ.get("KT_SERVE_CALL_TIMES"):
                 time.sleep(0.5)
                 if calls or outermost:
                     with open(path + ".tmp", "w") as f:
-                        json.dump({"time": time.time(), "calls": calls, "modules": exclusive, "outermost": outermost}, f)
+                        json.dump({"time": time.time(), "calls": calls, "modules": exclusive, "outermost": outermost,
+                                   "intervals": {k: list(v) for k, v in intervals.items()}}, f)
                     os.replace(path + ".tmp", path)
 
         threading.Thread(target=write, daemon=True).start()
