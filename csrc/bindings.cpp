@@ -296,6 +296,22 @@ PYBIND11_MODULE(_kernel, m) {
       },
       "One recurrent gated delta-rule step per request, states updated in place; see csrc/ops/gdn.h");
   m.def(
+      "gdn_scan",
+      [](int N, uintptr_t cu_seqlens, int Hk, int Hv, int Dk, int Dv, uintptr_t q, int64_t ldq, uintptr_t k,
+         int64_t ldk, uintptr_t v, int64_t ldv, uintptr_t g, int64_t ldg, uintptr_t beta, bool beta_bf16,
+         int64_t ldbeta, uintptr_t states, int64_t slots, int64_t slot_stride, int64_t head_stride, int64_t k_stride,
+         int64_t v_stride, uintptr_t indices, bool l2norm, float eps, uintptr_t final, uintptr_t out,
+         const std::string& isa) {
+        const kt::GdnScanInputs in{ptr<const bf16>(q), ptr<const bf16>(k), ptr<const bf16>(v), ldq, ldk, ldv,
+                                   ptr<const float>(g), ldg, ptr<const void>(beta), beta_bf16, ldbeta};
+        const kt::GdnStates st{ptr<float>(states), slots, slot_stride, head_stride, k_stride, v_stride};
+        const kt::Kernels& kern = kt::select_kernels(isa.c_str());
+        py::gil_scoped_release nogil;
+        kt::gdn_scan(N, ptr<const int64_t>(cu_seqlens), Hk, Hv, Dk, Dv, in, st, ptr<const int32_t>(indices), l2norm,
+                     eps, ptr<float>(final), ptr<bf16>(out), kern);
+      },
+      "Gated delta rule over packed sequences (prefill), states read and written in the pool; see csrc/ops/gdn.h");
+  m.def(
       "rms_norm_heads",
       [](int T, int heads, int D, uintptr_t x, int64_t ld, uintptr_t w, bool gemma, float eps) {
         py::gil_scoped_release nogil;

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kt_serve.kernel import gdn
+from test_kernel import ISAS
 from kt_serve.sglang_plugin.models import qwen35_gdn
 from kt_serve.sglang_plugin.hooks import FLA_GATED_RMS_NORM
 from kt_serve.sglang_plugin.models.qwen35 import install_qwen35_cpu_ops, rms_norm_gated_forward_hook
@@ -34,9 +35,9 @@ def close(actual, expected, tol=2e-2):
 
 
 @pytest.fixture(params=[True, False], ids=["C++", "torch"])
-def decode_path(request, monkeypatch):
-    """The decode ops (conv update, recurrent step) through csrc/ops/gdn.cpp, and through qwen35_gdn's torch
-    formulas."""
+def kernel_path(request, monkeypatch):
+    """The GDN ops (conv update, recurrent step, the prefill's delta rule) through csrc/ops/gdn.cpp, and through
+    qwen35_gdn's torch formulas."""
     monkeypatch.setattr(qwen35_gdn, "USE_KERNEL", request.param)
     return request.param
 
@@ -227,7 +228,7 @@ def test_causal_conv1d_fn_varlen_initial_states_and_padding():
     assert torch.equal(pool[untouched], before[untouched])
 
 
-def test_causal_conv1d_update_decode_with_padding_rows(decode_path):
+def test_causal_conv1d_update_decode_with_padding_rows(kernel_path):
     weight, bias, pool = _conv_setup()
     idx = torch.tensor([5, PAD, 1, 8], dtype=torch.int32)
     x = torch.randn(4, weight.shape[0], dtype=BF)
@@ -245,7 +246,7 @@ def test_causal_conv1d_update_decode_with_padding_rows(decode_path):
         OPS.causal_conv1d_update_cpu(x, pool, weight, bias, True, None, idx, -1, True)
 
 
-def test_causal_conv1d_prefill_then_decode_equals_one_prefill(decode_path):
+def test_causal_conv1d_prefill_then_decode_equals_one_prefill(kernel_path):
     weight, bias, pool = _conv_setup()
     x = torch.randn(13, weight.shape[0], dtype=BF)
     one = mamba.causal_conv1d_fn_cpu(x.t(), weight, bias, "silu", pool, torch.tensor([False]),
@@ -286,7 +287,7 @@ def _recurrent_ref(q, k, v, a, b, A_log, dt_bias, state, beta_dtype=torch.float3
 
 
 @pytest.mark.parametrize("idx", [[6, PAD, 2, 9], [3, 4, 5]], ids=["scattered+pad", "contiguous-run"])
-def test_recurrent_decode_step(idx, decode_path):
+def test_recurrent_decode_step(idx, kernel_path):
     batch = len(idx)
     q, k, v, a, b, A_log, dt_bias = _gdn_inputs(batch)
     pool = torch.randn(11, HV, DK, DV) * 0.3
@@ -318,7 +319,7 @@ def _prefill(q, k, v, a, b, A_log, dt_bias, pool, cu, idx):
     return out, final
 
 
-def test_chunked_prefill_several_sequences_against_transformers():
+def test_chunked_prefill_several_sequences_against_transformers(kernel_path):
     lens = [70, 1, 130, 64, 9]  # inside, at and across 64-token chunk boundaries
     cu = [0] + torch.tensor(lens).cumsum(0).tolist()
     idx = [4, 0, 7, PAD, 2]
@@ -343,7 +344,7 @@ def test_chunked_prefill_several_sequences_against_transformers():
     assert torch.equal(pool[untouched], before[untouched])
 
 
-def test_prefill_continued_from_saved_state_equals_one_prefill():
+def test_prefill_continued_from_saved_state_equals_one_prefill(kernel_path):
     q, k, v, a, b, A_log, dt_bias = _gdn_inputs(150)
     pool = torch.zeros(4, HV, DK, DV)
     one, _ = _prefill(q, k, v, a, b, A_log, dt_bias, pool, [0, 150], [1])
@@ -357,7 +358,7 @@ def test_prefill_continued_from_saved_state_equals_one_prefill():
 
 
 @pytest.mark.parametrize("dk,dv", [(DK, DV), (16, 48)], ids=["k=v", "k!=v pool as SGLang allocates (Hv, Dv, Dk)"])
-def test_prefill_then_decode_equals_one_prefill(dk, dv, decode_path):
+def test_prefill_then_decode_equals_one_prefill(dk, dv, kernel_path):
     total, cut = 80, 77
     q, k, v, a, b, A_log, dt_bias = _gdn_inputs(total, dk, dv)
     pool = torch.zeros(5, HV, dv, dk)  # SGLang's (Hv, V, K): with K != V only [K][V] read transposed fits
@@ -420,7 +421,7 @@ def test_decode_ops_take_the_kernel_for_sglang_inputs(monkeypatch):
                                                    torch.arange(3, dtype=torch.int32), True)
 
 
-def test_strided_pools_as_sglang_may_lay_them_out(decode_path):
+def test_strided_pools_as_sglang_may_lay_them_out(kernel_path):
     """Conv states dim-contiguous (the AMX layout, memory_pool._init_amx_conv_state) and an SSM pool whose slots are
     not packed (an envelope holding other state between slots): same results as packed pools."""
     weight, bias, packed = _conv_setup()
@@ -454,7 +455,9 @@ def test_strided_pools_as_sglang_may_lay_them_out(decode_path):
 
 
 def test_prefill_in_blocks_of_chunks_equals_one_block(monkeypatch):
-    """Long prefills build their intra-chunk tensors CHUNKS_PER_BLOCK chunks at a time: block edges change nothing."""
+    """Long prefills on the torch formulas build their intra-chunk tensors CHUNKS_PER_BLOCK chunks at a time: block
+    edges change nothing."""
+    monkeypatch.setattr(qwen35_gdn, "USE_KERNEL", False)
     lens = [130, 70, 9, 200]
     cu = [0] + torch.tensor(lens).cumsum(0).tolist()
     q, k, v, a, b, A_log, dt_bias = _gdn_inputs(cu[-1])
@@ -467,3 +470,52 @@ def test_prefill_in_blocks_of_chunks_equals_one_block(monkeypatch):
     for out, p in results[1:]:
         close(out, results[0][0], 1e-3)
         close(p, results[0][1], 1e-5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_prefill_scan_on_every_isa_table_against_transformers(isa):
+    """csrc/ops/gdn.cpp's prefill scan on each kernel table (its per-ISA gdn_scan_columns), Qwen3.5's head sizes: a
+    128-wide state is four column blocks, the 64-token window crossed, an empty sequence, states from a strided pool (an
+    envelope holding other state between slots, as SGLang may lay it out) and from none (indices None: the given
+    states left unchanged)."""
+    hk, hv, d = 2, 4, 128
+    lens = [70, 5, 0]
+    cu = [0] + torch.tensor(lens).cumsum(0).tolist()
+    q = torch.randn(1, cu[-1], hk, d, dtype=BF)
+    k = torch.randn(1, cu[-1], hk, d, dtype=BF)
+    v = torch.randn(1, cu[-1], hv, d, dtype=BF)
+    a, b = torch.randn(cu[-1], hv, dtype=BF), torch.randn(cu[-1], hv, dtype=BF)
+    A_log, dt_bias = torch.rand(hv) * 0.5, torch.randn(hv, dtype=BF) * 0.5
+    g, beta = OPS.fused_gdn_gating_cpu(A_log, a, b, dt_bias)
+    envelope = torch.randn(5, 2, hv, d, d) * 0.05
+    pool, other = envelope[:, 1], envelope[:, 0].clone()
+    before = pool.clone()
+    idx = [3, PAD, 1]
+    out, final = gdn.scan(q, k, v, g, beta, pool, torch.tensor(idx, dtype=torch.int32),
+                          torch.tensor(cu, dtype=torch.int32), True, 1e-6, isa=isa)
+    given = before[[0, 2, 4]].clone()
+    out2, final2 = gdn.scan(q, k, v, g, beta, given, None, torch.tensor(cu, dtype=torch.int32), True, 1e-6, isa=isa)
+    assert torch.equal(given, before[[0, 2, 4]]) and torch.equal(envelope[:, 0], other)
+    rep = hv // hk
+    for n, (s, e) in enumerate(zip(cu[:-1], cu[1:])):
+        for init, o, f in ((before[idx[n]:idx[n] + 1] if idx[n] != PAD else None, out, final),
+                           (given[n:n + 1], out2, final2)):
+            ref_out, ref_state = tf.torch_recurrent_gated_delta_rule(
+                q[:, s:e].repeat_interleave(rep, 2).float(), k[:, s:e].repeat_interleave(rep, 2).float(),
+                v[:, s:e].float(), g[:, s:e], beta[:, s:e].float(), initial_state=init, output_final_state=True,
+                use_qk_l2norm_in_kernel=True)
+            close(o[:, s:e], ref_out)
+            close(f[n], ref_state[0], 1e-4)
+        if idx[n] != PAD:
+            close(pool[idx[n]], final[n], 1e-6) if e > s else torch.testing.assert_close(pool[idx[n]], before[idx[n]])
+    assert torch.equal(pool[[0, 2, 4]], before[[0, 2, 4]])
+
+
+def test_prefill_takes_the_kernel_for_sglang_inputs(monkeypatch):
+    """bf16 q / k / v, fp32 g, bf16 beta and an fp32 pool as SGLang passes them take csrc/ops/gdn.cpp's scan."""
+    def torch_path(*args, **kwargs):
+        raise AssertionError("the torch formulas ran")
+
+    monkeypatch.setattr(qwen35_gdn, "_chunk_layout", torch_path)
+    q, k, v, a, b, A_log, dt_bias = _gdn_inputs(9)
+    _prefill(q, k, v, a, b, A_log, dt_bias, torch.zeros(3, HV, DK, DV), [0, 4, 9], [2, PAD])

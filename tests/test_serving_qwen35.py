@@ -277,7 +277,7 @@ def test_qwen35_fused_checkpoint_with_global_expert_adapter(qwen35):
         assert "MoE blocks keep SGLang's router path" not in log, log[-3000:]
         assert "Gemma RMSNorm on the kt_serve kernel" in log, log[-3000:]  # cpu_host/norm.py: the layer norms above
         assert "gated RMSNorm on the kt_serve kernel" in log, log[-3000:]  # models/qwen35.py: GDN's output norm
-        # the GDN decode steps and norms took C++ for every batch: nothing said it fell back to the torch formulas
+        # the GDN decode steps, prefill scans and norms took C++ for every batch: nothing said it fell back to torch
         assert "on torch formulas" not in log and "on its torch formula" not in log, log[-3000:]
 
 

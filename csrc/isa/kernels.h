@@ -16,6 +16,8 @@ namespace kt {
 
 using bf16 = uint16_t;
 constexpr int kBlockN = 64;
+// Value columns of a GDN state that one gdn_scan_columns call carries (two AVX512 vectors a row).
+constexpr int kGdnCols = 32;
 constexpr int kPairRows = 3;
 constexpr int kScaledRows = 80;  // rows of one GEMM call on a quantized block at most (a MoE task's run of rows)
 
@@ -144,6 +146,14 @@ struct Kernels {
   // O[g][d] += Σ_j P[g][j] · V_j[d], P rows ldp apart.
   void (*attn_values)(int n, int G, int Dv, const float* P, int64_t ldp, const bf16* V, int64_t ldv,
                       const int32_t* slots, float* O, int64_t ldo);
+
+  // The gated delta rule over T tokens of one sequence (ops/gdn.cpp's prefill), on kGdnCols value columns of one
+  // head's state S [Dk][kGdnCols] (fp32, rows packed, in L1 for the whole scan). Per token t: q_t, k_t fp32 rows
+  // ldqk apart (normalised, q scaled), qk[t] = q_t · k_t, v and o rows [T][kGdnCols] fp32:
+  //   δ = beta[t] · (v_t - decay[t] · Sᵀk_t);  o_t = decay[t] · Sᵀq_t + qk[t] · δ;  S ← decay[t] · S + k_t δᵀ.
+  // One pass over S a token: the update of token t also reads Sᵀq, Sᵀk for token t + 1.
+  void (*gdn_scan_columns)(int T, int Dk, const float* q, const float* k, int64_t ldqk, const float* qk,
+                           const float* decay, const float* beta, const float* v, float* S, float* o);
 };
 
 const Kernels& kernels_portable();

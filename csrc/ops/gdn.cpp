@@ -70,15 +70,32 @@ void gdn_conv_update(int B, int dim, int K, const bf16* x, int64_t ldx, const Gd
 
 namespace {
 
-// q or k of one head to fp32, l2-normalised when asked, times scale.
-void head_f32(int D, const bf16* src, bool l2norm, float scale, float* dst) {
-  float ss = 0.f;
-  for (int i = 0; i < D; ++i) {
-    dst[i] = bf16_to_f32(src[i]);
-    ss += dst[i] * dst[i];
-  }
-  const float f = (l2norm ? 1.f / std::sqrt(ss + 1e-6f) : 1.f) * scale;
+// Σ x[i] · y[i] in eight interleaved partial sums (vectorisable without reassociating a float chain).
+float dot(int D, const float* x, const float* y) {
+  float part[8] = {};
+  int i = 0;
+  for (; i + 8 <= D; i += 8)
+    for (int j = 0; j < 8; ++j) part[j] += x[i + j] * y[i + j];
+  float sum = 0.f;
+  for (; i < D; ++i) sum += x[i] * y[i];
+  for (int j = 0; j < 8; ++j) sum += part[j];
+  return sum;
+}
+
+// q or k of one head to fp32, l2-normalised when asked (x / sqrt(Σx² + eps)), times scale.
+void head_f32(int D, const bf16* src, bool l2norm, float scale, float* dst, float eps = 1e-6f) {
+  for (int i = 0; i < D; ++i) dst[i] = bf16_to_f32(src[i]);
+  const float f = (l2norm ? 1.f / std::sqrt(dot(D, dst, dst) + eps) : 1.f) * scale;
   for (int i = 0; i < D; ++i) dst[i] *= f;
+}
+
+// n floats, src and dst values src_stride / dst_stride apart.
+void copy_columns(int n, const float* src, int64_t src_stride, float* dst, int64_t dst_stride) {
+  if (src_stride == 1 && dst_stride == 1) {
+    std::copy(src, src + n, dst);
+    return;
+  }
+  for (int c = 0; c < n; ++c) dst[c * dst_stride] = src[c * src_stride];
 }
 
 // (Sᵀq, Sᵀk) of a [Dk][Dv] state, rows ks apart, values vs apart.
@@ -136,8 +153,7 @@ void gdn_recurrent_step(int B, int Hk, int Hv, int Dk, int Dv, const GdnStepInpu
     float *q = scratch.data(), *k = q + Dk, *rq = k + Dk, *rk = rq + Dv, *delta = rk + Dv;
     head_f32(Dk, in.q + n * in.ldq + static_cast<int64_t>(kh) * Dk, l2norm, q_scale, q);
     head_f32(Dk, in.k + n * in.ldk + static_cast<int64_t>(kh) * Dk, l2norm, 1.f, k);
-    float qk = 0.f;
-    for (int i = 0; i < Dk; ++i) qk += q[i] * k[i];
+    const float qk = dot(Dk, q, k);
     const float a = bf16_to_f32(in.a[n * in.lda + h]) + in.dt_bias.at(h);
     const float decay = std::exp(-std::exp(in.A_log.at(h)) * softplus(a, softplus_beta, softplus_threshold));
     const float beta = 1.f / (1.f + std::exp(-bf16_to_f32(in.b[n * in.ldb + h])));
@@ -150,6 +166,98 @@ void gdn_recurrent_step(int B, int Hk, int Hv, int Dk, int Dv, const GdnStepInpu
     }
     update_state(Dk, Dv, S, st.k_stride, st.v_stride, decay, k, delta);
   });
+}
+
+void gdn_scan(int N, const int64_t* cu, int Hk, int Hv, int Dk, int Dv, const GdnScanInputs& in,
+              const GdnStates& st, const int32_t* slots, bool l2norm, float eps, float* final, bf16* out,
+              const Kernels& kern) {
+  if (Hk <= 0 || Hv % Hk != 0) throw std::invalid_argument("gated delta rule: value heads must be a multiple of key heads");
+  check_slots(N, slots, st.slots, "gated delta rule");
+  constexpr int C = kGdnCols;
+  // Tokens of each sequence a round takes: a round first prepares their q, k (fp32, normalised, scaled), q·k, decay
+  // and beta once per key (value) head, then scans them for every (sequence, value head, column block).
+  constexpr int64_t kWindow = 256;
+  const int rep = Hv / Hk, blocks = (Dv + C - 1) / C;
+  const float q_scale = 1.f / std::sqrt(static_cast<float>(Dk));
+  const int64_t ldo = static_cast<int64_t>(Hv) * Dv, block_size = static_cast<int64_t>(Dk) * C;
+  int64_t longest = 0;
+  for (int n = 0; n < N; ++n) longest = std::max(longest, cu[n + 1] - cu[n]);
+  // The column blocks' states between rounds, packed, so a scan's block is contiguous (16 KB with Dk 128: in L1).
+  // Kept by the calling thread: a prompt's layers reuse the pages (faulting in 2 MB a sequence cost more than its
+  // whole 32-token scan).
+  // (A thread_local names another thread's copy inside the tasks: they get the caller's buffers by pointer.)
+  thread_local std::vector<float> state_buffer, qk_buffer, dot_buffer, gate_buffer;
+  state_buffer.resize(static_cast<size_t>(N) * Hv * blocks * block_size);
+  float* const states = state_buffer.data();
+  std::vector<int64_t> first(N + 1);  // sequence n's tokens of this round: prepared rows first[n] .. first[n + 1]
+  // qk_rows, qk_dot, gates per prepared row: [Hk][Dk] q then [Hk][Dk] k; [Hk] q·k; [Hv] decay then [Hv] beta
+  for (int64_t w0 = 0; w0 < std::max<int64_t>(longest, 1); w0 += kWindow) {
+    first[0] = 0;
+    for (int n = 0; n < N; ++n)
+      first[n + 1] = first[n] + std::clamp<int64_t>(cu[n + 1] - cu[n] - w0, 0, kWindow);
+    const int64_t rows = first[N];
+    qk_buffer.resize(static_cast<size_t>(rows) * 2 * Hk * Dk);
+    dot_buffer.resize(static_cast<size_t>(rows) * Hk);
+    gate_buffer.resize(static_cast<size_t>(rows) * 2 * Hv);
+    float *const qk_rows = qk_buffer.data(), *const qk_dot = dot_buffer.data(), *const gates = gate_buffer.data();
+    run_tasks(rows, rows * Hk * Dk * 4, [&](int64_t r) {
+      const int n = static_cast<int>(std::upper_bound(first.begin(), first.end(), r) - first.begin()) - 1;
+      const int64_t t = cu[n] + w0 + (r - first[n]);
+      float* qr = qk_rows + r * 2 * Hk * Dk;
+      for (int kh = 0; kh < Hk; ++kh) {
+        float *q = qr + kh * Dk, *k = qr + (Hk + kh) * Dk;
+        head_f32(Dk, in.q + t * in.ldq + static_cast<int64_t>(kh) * Dk, l2norm, q_scale, q, eps);
+        head_f32(Dk, in.k + t * in.ldk + static_cast<int64_t>(kh) * Dk, l2norm, 1.f, k, eps);
+        qk_dot[r * Hk + kh] = dot(Dk, q, k);
+      }
+      float* gr = gates + r * 2 * Hv;
+      for (int h = 0; h < Hv; ++h) {
+        gr[h] = std::exp(in.g[t * in.ldg + h]);
+        gr[Hv + h] = in.beta_bf16 ? bf16_to_f32(static_cast<const bf16*>(in.beta)[t * in.ldbeta + h])
+                                  : static_cast<const float*>(in.beta)[t * in.ldbeta + h];
+      }
+    });
+    run_tasks(static_cast<int64_t>(N) * Hv * blocks, rows * Hv * Dk * Dv, [&](int64_t task) {
+      const int n = static_cast<int>(task / (Hv * blocks)), h = static_cast<int>(task / blocks % Hv);
+      const int c0 = static_cast<int>(task % blocks) * C, nc = std::min(C, Dv - c0), kh = h / rep;
+      const int64_t len = cu[n + 1] - cu[n], w = first[n + 1] - first[n];
+      if (w0 > 0 && w == 0) return;  // sequence done in an earlier round
+      float* S = states + task * block_size;
+      float* pool = slots[n] >= 0 ? st.data + slots[n] * st.slot_stride + h * st.head_stride : nullptr;
+      const int64_t ks = st.k_stride, vs = st.v_stride;
+      if (w0 == 0) {  // its columns past Dv zero: they stay zero (their δ is 0)
+        std::fill(S, S + block_size, 0.f);
+        if (pool)
+          for (int i = 0; i < Dk; ++i) copy_columns(nc, pool + i * ks + c0 * vs, vs, S + i * C, 1);
+      }
+      thread_local std::vector<float> buf;
+      buf.resize(4 * kWindow + 2 * kWindow * C);
+      float *qk = buf.data(), *decay = qk + kWindow, *beta = decay + kWindow, *v = beta + kWindow,
+            *o = v + kWindow * C;
+      const int64_t r0 = first[n], ld = 2 * static_cast<int64_t>(Hk) * Dk;
+      for (int64_t j = 0; j < w; ++j) {
+        const int64_t t = cu[n] + w0 + j;
+        qk[j] = qk_dot[(r0 + j) * Hk + kh];
+        decay[j] = gates[(r0 + j) * 2 * Hv + h];
+        beta[j] = gates[(r0 + j) * 2 * Hv + Hv + h];
+        const bf16* vr = in.v + t * in.ldv + static_cast<int64_t>(h) * Dv + c0;
+        for (int c = 0; c < C; ++c) v[j * C + c] = c < nc ? bf16_to_f32(vr[c]) : 0.f;
+      }
+      const float* qrow = qk_rows + r0 * ld + kh * Dk;
+      kern.gdn_scan_columns(static_cast<int>(w), Dk, qrow, qrow + Hk * Dk, ld, qk, decay, beta, v, S, o);
+      for (int64_t j = 0; j < w; ++j) {
+        bf16* orow = out + (cu[n] + w0 + j) * ldo + static_cast<int64_t>(h) * Dv + c0;
+        for (int c = 0; c < nc; ++c) orow[c] = f32_to_bf16(o[j * C + c]);
+      }
+      if (w0 + w < len || (w0 > 0 && w == 0)) return;  // more rounds to come
+      if (pool && len > 0)
+        for (int i = 0; i < Dk; ++i) copy_columns(nc, S + i * C, 1, pool + i * ks + c0 * vs, vs);
+      if (final) {
+        float* f = final + (static_cast<int64_t>(n) * Hv + h) * Dk * Dv + c0;
+        for (int i = 0; i < Dk; ++i) copy_columns(nc, S + i * C, 1, f + static_cast<int64_t>(i) * Dv, 1);
+      }
+    });
+  }
 }
 
 }  // namespace kt

@@ -1,8 +1,10 @@
-// Gated DeltaNet (Qwen3.5 / Qwen3-Next linear attention) decode steps: one new token per request, the request's
-// conv and recurrent states updated in place in SGLang's mamba pools. The semantics are those of the torch ops in
-// kt_serve/sglang_plugin/gdn_ops.py (the readable reference; the tests hold both to transformers' GDN), in fp32.
-// Plain C++ (compiled for the baseline ISA and vectorized by the compiler): a decode step reads each request's
-// state once or twice, which the memory system bounds, not the arithmetic.
+// Gated DeltaNet (Qwen3.5 / Qwen3-Next linear attention): decode steps (one new token per request, the request's
+// conv and recurrent states updated in place in SGLang's mamba pools) and the prefill's delta rule over whole
+// prompts. The semantics are those of the torch ops in kt_serve/sglang_plugin/models/qwen35_gdn.py (the readable
+// reference; the tests hold both to transformers' GDN), in fp32. The decode steps are plain C++ (compiled for the
+// baseline ISA and vectorized by the compiler): a step reads each request's state once or twice, which the memory
+// system bounds, not the arithmetic. The prefill keeps a state block in L1 for many tokens, so its arithmetic
+// runs in the kernel table's gdn_scan_columns (compiled per ISA).
 #pragma once
 #include <cstdint>
 
@@ -58,5 +60,26 @@ struct GdnStepInputs {
 // >= states.slots.
 void gdn_recurrent_step(int B, int Hk, int Hv, int Dk, int Dv, const GdnStepInputs& in, const GdnStates& states,
                         const int32_t* slots, bool l2norm, float softplus_beta, float softplus_threshold, bf16* out);
+
+// Prefill: N sequences packed in T rows (sequence n: rows cu[n] .. cu[n + 1]), the rule of gdn_recurrent_step
+// token by token with the gates given as SGLang's fused_gdn_gating makes them: g [T][Hv] fp32 (the log decay, rows
+// ldg apart) and beta [T][Hv] (bf16 or fp32, rows ldbeta apart). q, k [T][Hk][Dk], v [T][Hv][Dv] bf16; l2norm with
+// eps as transformers' l2norm. Sequence n starts from states[slots[n]] and leaves its final state there; slots[n]
+// < 0: from a zero state, the pool untouched. final (null, or [N][Hv][Dk][Dv] fp32 packed): every sequence's final
+// state. out [T][Hv][Dv] bf16. Recurrent, not chunked: with the state block in L1 a token costs one pass over it,
+// fewer operations than the chunked form's and none of its padding to 64-token chunks. Throws, before anything is
+// written, if a slot is >= states.slots.
+struct GdnScanInputs {
+  const bf16 *q, *k, *v;
+  int64_t ldq, ldk, ldv;
+  const float* g;
+  int64_t ldg;
+  const void* beta;
+  bool beta_bf16;
+  int64_t ldbeta;
+};
+void gdn_scan(int N, const int64_t* cu, int Hk, int Hv, int Dk, int Dv, const GdnScanInputs& in,
+              const GdnStates& states, const int32_t* slots, bool l2norm, float eps, float* final, bf16* out,
+              const Kernels& kern);
 
 }  // namespace kt

@@ -1,6 +1,6 @@
-"""Gated DeltaNet decode steps in C++ (``kt_serve._kernel.gdn_conv_update`` / ``gdn_recurrent_step``; csrc/ops/gdn.h):
-the causal conv1d of one new token per request and the recurrent gated delta-rule step, states updated in place in
-SGLang's mamba pools. :mod:`kt_serve.sglang_plugin.models.qwen35_gdn` calls these for the inputs they take (bf16
+"""Gated DeltaNet in C++ (``kt_serve._kernel.gdn_conv_update`` / ``gdn_recurrent_step`` / ``gdn_scan``;
+csrc/ops/gdn.h): the causal conv1d of one new token per request, the recurrent gated delta-rule step, and the delta
+rule over whole prompts (prefill), states updated in place in SGLang's mamba pools. :mod:`kt_serve.sglang_plugin.models.qwen35_gdn` calls these for the inputs they take (bf16
 activations, fp32 recurrent states, padding slots negative) and keeps its torch formulas, the readable reference, for
 the rest.
 Each function returns None when the inputs are outside what the kernel takes.
@@ -14,7 +14,7 @@ import torch
 
 from kt_serve import _kernel
 
-__all__ = ["conv_update", "recurrent_step"]
+__all__ = ["conv_update", "recurrent_step", "scan"]
 
 BF16 = torch.bfloat16
 
@@ -79,3 +79,40 @@ def recurrent_step(A_log, dt_bias, q, k, v, a, b, states: torch.Tensor, indices:
                                    idx.data_ptr(), bool(l2norm), float(softplus_beta), float(softplus_threshold),
                                    out.data_ptr())
     return out
+
+
+def scan(query, key, value, g, beta, states: torch.Tensor, indices: Optional[torch.Tensor], cu_seqlens: torch.Tensor,
+         l2norm: bool, eps: float, isa: str = "auto") -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """Prefill of sequences packed in one row: query, key [1, T, Hk, Dk], value [1, T, Hv, Dv] bf16; g [1, T, Hv]
+    fp32 log decay; beta [1, T, Hv] bf16 or fp32; states: the pool as [slots, Hv, Dk, Dv] fp32 (any strides), read and
+    written at indices (negative: start from zero, write nothing), or with indices None the N initial states
+    themselves, left unchanged. isa: the kernel table ("auto": this CPU's best). Returns (out [1, T, Hv, Dv] bf16,
+    final states [N, Hv, Dk, Dv] fp32)."""
+    if query.dim() != 4 or query.shape[0] != 1 or states.dtype != torch.float32 or states.dim() != 4:
+        return None
+    _, total, hk, dk = query.shape
+    hv, dv = value.shape[2], value.shape[3]
+    if not (_heads(query, hk, dk) and _heads(key, hk, dk) and _heads(value, hv, dv)) or hv % hk \
+            or key.shape[:2] != query.shape[:2] or value.shape[:2] != query.shape[:2] \
+            or states.shape[1:] != (hv, dk, dv):
+        return None
+    if g.dtype != torch.float32 or beta.dtype not in (BF16, torch.float32) \
+            or any(t.shape != (1, total, hv) or t.stride(2) != 1 for t in (g, beta)):
+        return None
+    cu = cu_seqlens.to(torch.int64).contiguous()
+    n = cu.numel() - 1
+    if indices is None:  # the states are the sequences' own: scan copies, leave them as given
+        if states.shape[0] != n:
+            return None
+        states, idx = states.clone(), torch.arange(n, dtype=torch.int32)
+    else:
+        idx = _slots(indices)
+    out = torch.empty(1, total, hv, dv, dtype=BF16)
+    final = torch.empty(n, hv, dk, dv)
+    if n:
+        s0, s1, s2, s3 = states.stride()
+        _kernel.gdn_scan(n, cu.data_ptr(), hk, hv, dk, dv, query.data_ptr(), query.stride(1), key.data_ptr(),
+                         key.stride(1), value.data_ptr(), value.stride(1), g.data_ptr(), g.stride(1), beta.data_ptr(),
+                         beta.dtype == BF16, beta.stride(1), states.data_ptr(), states.shape[0], s0, s1, s2, s3,
+                         idx.data_ptr(), bool(l2norm), float(eps), final.data_ptr(), out.data_ptr(), isa)
+    return out, final

@@ -559,7 +559,8 @@ const Kernels* kernels_avx2() {
                          lora_a_f32_avx2,    lora_b_add_avx2,     outer_acc_bf16_avx2,  outer_acc_f32_avx2,
                          swiglu_avx2,        swiglu_backward_avx2, qgemm_block_avx2,
                          qgemm_block_pair_avx2, decode_rows_generic, decode_transposed_generic<decode_rows_generic>, quantize_rows_generic, gemm_block_scaled_generic<gemm_block_avx2>, kNeverDecode,
-                         attn_scores_generic, exp_shifted_avx2, attn_values_generic};
+                         attn_scores_generic, exp_shifted_avx2, attn_values_generic,
+                         gdn_scan_columns_generic};
   return &k;
 }
 

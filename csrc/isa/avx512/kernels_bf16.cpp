@@ -377,7 +377,8 @@ const Kernels* kernels_avx512_bf16() {
                          lora_a_f32_avx512,     lora_b_add_avx512,      outer_acc_bf16_avx512,
                          outer_acc_f32_avx512, swiglu_avx512,          swiglu_backward_avx512, qgemm_block_avx512,
                          qgemm_block_pair_avx512, decode_rows_avx512, decode_transposed_generic<decode_rows_avx512, transpose_pairs_avx512>, quantize_rows_generic, gemm_block_scaled_generic<gemm_block_avx512>, kNeverDecode,
-                         attn_scores_generic, exp_shifted_avx512, attn_values_generic};
+                         attn_scores_generic, exp_shifted_avx512, attn_values_generic,
+                         gdn_scan_columns_generic};
   return &k;
 }
 

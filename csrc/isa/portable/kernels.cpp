@@ -8,7 +8,8 @@ const Kernels& kernels_portable() {
                          lora_a_f32_generic,  lora_b_add_generic,     outer_acc_bf16_generic,
                          outer_acc_f32_generic, swiglu_generic,       swiglu_backward_generic, qgemm_block_generic,
                          qgemm_block_pair_generic, decode_rows_generic, decode_transposed_generic<decode_rows_generic>, quantize_rows_generic, gemm_block_scaled_generic<gemm_block_generic>, kNeverDecode,
-                         attn_scores_generic, exp_shifted_generic, attn_values_generic};
+                         attn_scores_generic, exp_shifted_generic, attn_values_generic,
+                         gdn_scan_columns_generic};
   return k;
 }
 

@@ -3,8 +3,10 @@
 Torch implementations of the sgl-kernel CPU ops that SGLang 0.5.23's GDN backend calls on a CPU host
 (``sgl-kernel/csrc/cpu/mamba/{conv,fla}.cpp``), same arguments, layouts, dtypes and in-place state updates; math in
 fp32. Registered by :func:`kt_serve.sglang_plugin.models.qwen35.install_qwen35_cpu_ops` only where no real kernel
-exists. The two decode ops run in C++ (:mod:`kt_serve.kernel.gdn`, csrc/ops/gdn.cpp) for the inputs it takes (bf16
-activations, fp32 states, negative padding slots): torch's dozen ops a layer cost more than the state traffic.
+exists. The decode ops and the prefill's delta rule run in C++ (:mod:`kt_serve.kernel.gdn`, csrc/ops/gdn.cpp) for
+the inputs it takes (bf16 activations, fp32 states, negative padding slots): torch's dozen ops a decode layer cost more
+than the state traffic, and its chunked prefill (64-token chunks, padded) more than the recurrent scan's one pass over
+an L1-resident state block per token. The torch formulas stay as the readable reference.
 
 Layouts (SGLang's mamba pool, ``mem_cache/memory_pool.py``):
 
@@ -32,9 +34,9 @@ USE_KERNEL = True  # False: the torch formulas below for every input (the tests 
 
 
 def _on_torch(op: str, **tensors) -> None:
-    """Says once per op that a decode step runs the torch formulas: inputs the C++ path does not take."""
+    """Says once per op that it runs the torch formulas: inputs the C++ path does not take."""
     shapes = ", ".join(f"{k} {getattr(t, 'dtype', t)} {tuple(getattr(t, 'shape', ()))}" for k, t in tensors.items())
-    log_once(logger, f"GDN {op} on torch formulas, not the C++ decode path (inputs: %s)", shapes)
+    log_once(logger, f"GDN {op} on torch formulas, not the C++ path (inputs: %s)", shapes)
 
 
 CHUNK = 64  # the real kernel's chunk size (fla.cpp) and transformers' default
@@ -330,11 +332,17 @@ def chunk_gated_delta_rule_cpu(query, key, value, g, beta, initial_state, output
         raise ValueError(f"chunk_gated_delta_rule_cpu: expects batch 1 (packed sequences), got {query.shape[0]}")
     _, total, hk, dk = query.shape
     hv, dv = value.shape[2], value.shape[3]
+    pool = kv_view(initial_state, dk, dv)
+    if USE_KERNEL:
+        done = gdn.scan(query, key, value, g, beta, pool, initial_state_indices, cu_seqlens, use_qk_l2norm_in_kernel,
+                        eps)
+        if done is not None:
+            return done
+        _on_torch("prefill", query=query, value=value, g=g, beta=beta, states=pool)
     group = hv // hk
     cu = cu_seqlens.to(torch.int64)
     n_seq = cu.numel() - 1
     lens = cu[1:] - cu[:-1]
-    pool = kv_view(initial_state, dk, dv)
     if initial_state_indices is None:
         idx, use = torch.arange(n_seq), torch.ones(n_seq, dtype=torch.bool)
     else:
