@@ -278,6 +278,19 @@ PYBIND11_MODULE(_kernel, m) {
       },
       "Gated DeltaNet causal conv1d of one token per request, conv states updated in place; see csrc/ops/gdn.h");
   m.def(
+      "gdn_conv_prefill",
+      [](int N, uintptr_t cu_seqlens, int dim, int K, uintptr_t x, int64_t ldx, uintptr_t states, int64_t slots,
+         int64_t slot_stride, int64_t dim_stride, int64_t tap_stride, uintptr_t indices, uintptr_t has_initial,
+         uintptr_t w, uintptr_t bias, bool silu, uintptr_t out, int64_t ldo, const std::string& isa) {
+        const kt::GdnConvStates st{ptr<bf16>(states), slots, slot_stride, dim_stride, tap_stride};
+        const kt::Kernels& kern = kt::select_kernels(isa.c_str());
+        py::gil_scoped_release nogil;
+        kt::gdn_conv_prefill(N, ptr<const int64_t>(cu_seqlens), dim, K, ptr<const bf16>(x), ldx, st,
+                             ptr<const int32_t>(indices), ptr<const uint8_t>(has_initial), ptr<const bf16>(w),
+                             ptr<const bf16>(bias), silu, ptr<bf16>(out), ldo, kern);
+      },
+      "Gated DeltaNet causal conv1d over packed sequences (prefill), conv states read and written; see csrc/ops/gdn.h");
+  m.def(
       "gdn_recurrent_step",
       [](int B, int Hk, int Hv, int Dk, int Dv, uintptr_t q, int64_t ldq, uintptr_t k, int64_t ldk, uintptr_t v,
          int64_t ldv, uintptr_t a, int64_t lda, uintptr_t b, int64_t ldb, uintptr_t A_log, bool A_log_bf16,

@@ -27,8 +27,10 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_kernel import cpu_model  # noqa: E402
-from kt_serve.sglang_plugin.models.qwen35 import (RMS_NORM_GATED_FORWARD, install_qwen35_cpu_ops,  # noqa: E402
-                                                rms_norm_gated_forward_hook)
+from kt_serve import _kernel  # noqa: E402
+from kt_serve.sglang_plugin.models import qwen35_gdn  # noqa: E402
+from kt_serve.sglang_plugin.hooks import FLA_GATED_RMS_NORM  # noqa: E402
+from kt_serve.sglang_plugin.models.qwen35 import install_qwen35_cpu_ops, rms_norm_gated_forward_hook  # noqa: E402
 
 HK, HV, D, WIDTH = 16, 32, 128, 4
 CONV_DIM = 2 * HK * D + HV * D
@@ -41,7 +43,7 @@ def gated_norm(weight):
     """SGLang's fla RMSNorm module as Qwen3.5 builds it (norm before a SiLU gate), run through the plugin's hook."""
     import importlib
 
-    module = importlib.import_module(RMS_NORM_GATED_FORWARD.rsplit(".", 2)[0]).RMSNorm(
+    module = importlib.import_module(FLA_GATED_RMS_NORM.rsplit(".", 1)[0]).RMSNorm(
         D, eps=1e-6, group_size=None, norm_before_gate=True, dtype=BF)
     with torch.no_grad():
         module.weight.copy_(weight)
@@ -102,6 +104,15 @@ def decode_cases(batch: int, ops):
         yield "decode", batch, name, shape, fn
 
 
+def on_torch(fn):
+    """fn with qwen35_gdn's torch formulas instead of csrc/ops/gdn.cpp."""
+    qwen35_gdn.USE_KERNEL = False
+    try:
+        return fn()
+    finally:
+        qwen35_gdn.USE_KERNEL = True
+
+
 def prefill_cases(tokens: int, ops):
     g = torch.Generator().manual_seed(tokens)
     rnd = lambda *shape, dtype=BF: torch.randn(*shape, generator=g).to(dtype)  # noqa: E731
@@ -119,10 +130,16 @@ def prefill_cases(tokens: int, ops):
         core, z, norm_w = rnd(tokens * HV, D), rnd(tokens, HV, D), rnd(D)
         norm = gated_norm(norm_w)
         label = f"{n_seq} x {tokens // n_seq} tokens"
-        yield ("prefill", tokens, "causal_conv1d_fwd_cpu", f"{label}, dim {CONV_DIM}",
-               lambda: ops.causal_conv1d_fwd_cpu(x.t(), weight, None, conv_pool, qsl, idx, has_init, True, -1, False))
-        yield ("prefill", tokens, "chunk_gated_delta_rule_cpu", f"{label}, Hk {HK} / Hv {HV} x {D}",
-               lambda: ops.chunk_gated_delta_rule_cpu(q, k, v, gate_g, beta, ssm_pool, True, qsl, False, True, idx))
+        conv = lambda: ops.causal_conv1d_fwd_cpu(x.t(), weight, None, conv_pool, qsl, idx, has_init, True,  # noqa: E731
+                                                 -1, False)
+        yield ("prefill", tokens, "causal_conv1d_fwd_cpu", f"{label}, dim {CONV_DIM}", conv)
+        yield ("prefill", tokens, "causal_conv1d_fwd_cpu (torch reference)", f"{label}, dim {CONV_DIM}",
+               lambda: on_torch(conv))
+        delta_rule = lambda: ops.chunk_gated_delta_rule_cpu(q, k, v, gate_g, beta, ssm_pool, True, qsl,  # noqa: E731
+                                                            False, True, idx)
+        yield ("prefill", tokens, "chunk_gated_delta_rule_cpu", f"{label}, Hk {HK} / Hv {HV} x {D}", delta_rule)
+        yield ("prefill", tokens, "chunk_gated_delta_rule_cpu (torch chunked reference)",
+               f"{label}, Hk {HK} / Hv {HV} x {D}", lambda: on_torch(delta_rule))
         if n_seq == 1:
             yield ("prefill", tokens, "fused_gdn_gating_cpu", f"[{tokens}, {HV}]",
                    lambda: ops.fused_gdn_gating_cpu(A_log, a, b, dt_bias))
@@ -148,7 +165,8 @@ def main(argv=None) -> int:
             lo, med = timeit(fn)
             rows.append(dict(phase=phase, size=size, op=name, shape=shape, min_ms=lo, median_ms=med))
             print(f"  {phase} {size} {name} {shape}: {med:.3f} ms", file=sys.stderr)
-    print(f"CPU: {cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} threads\n")
+    print(f"CPU: {cpu_model()}, kernel ISA {_kernel.cpu_isa()}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads\n")
     print("| phase | batch / tokens | op | shape | min ms | median ms | x30 ms |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

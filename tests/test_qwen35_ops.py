@@ -203,7 +203,7 @@ def _conv_ref(x, state, weight, bias):
     return out[0], st[0]
 
 
-def test_causal_conv1d_fn_varlen_initial_states_and_padding():
+def test_causal_conv1d_fn_varlen_initial_states_and_padding(kernel_path):
     weight, bias, pool = _conv_setup()
     lens = [5, 1, 2, 9, 3]
     has_init = torch.tensor([True, True, False, False, True])
@@ -512,10 +512,24 @@ def test_prefill_scan_on_every_isa_table_against_transformers(isa):
 
 
 def test_prefill_takes_the_kernel_for_sglang_inputs(monkeypatch):
-    """bf16 q / k / v, fp32 g, bf16 beta and an fp32 pool as SGLang passes them take csrc/ops/gdn.cpp's scan."""
-    def torch_path(*args, **kwargs):
-        raise AssertionError("the torch formulas ran")
+    """The prefill conv and delta rule take csrc/ops/gdn.cpp for SGLang's inputs: x as the transpose of contiguous
+    [tokens, dim] bf16 rows, bf16 conv states; bf16 q / k / v, fp32 g, bf16 beta and an fp32 pool."""
+    taken = []
 
-    monkeypatch.setattr(qwen35_gdn, "_chunk_layout", torch_path)
+    def spy(fn):
+        def call(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            taken.append((fn.__name__, out is not None))
+            return out
+        return call
+
+    monkeypatch.setattr(gdn, "conv_prefill", spy(gdn.conv_prefill))
+    monkeypatch.setattr(gdn, "scan", spy(gdn.scan))
+    weight, bias, pool = _conv_setup()
+    x = torch.randn(9, weight.shape[0], dtype=BF)
+    mamba.causal_conv1d_fn_cpu(x.t(), weight, bias, "silu", pool, torch.tensor([True, False]),
+                               torch.tensor([2, PAD], dtype=torch.int32), torch.tensor([0, 4, 9], dtype=torch.int32),
+                               [4, 5])
     q, k, v, a, b, A_log, dt_bias = _gdn_inputs(9)
     _prefill(q, k, v, a, b, A_log, dt_bias, torch.zeros(3, HV, DK, DV), [0, 4, 9], [2, PAD])
+    assert taken == [("conv_prefill", True), ("scan", True)]

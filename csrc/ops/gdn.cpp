@@ -68,6 +68,51 @@ void gdn_conv_update(int B, int dim, int K, const bf16* x, int64_t ldx, const Gd
   });
 }
 
+void gdn_conv_prefill(int N, const int64_t* cu, int dim, int K, const bf16* x, int64_t ldx, const GdnConvStates& st,
+                      const int32_t* slots, const uint8_t* has_initial, const bf16* w, const bf16* bias,
+                      bool silu_act, bf16* out, int64_t ldo, const Kernels& kern) {
+  check_slots(N, slots, st.slots, "causal conv1d");
+  constexpr int kChannels = 256;  // channels a task: its window and sums stay in L1 while it walks the tokens
+  const int64_t chunks = (dim + kChannels - 1) / kChannels;
+  run_tasks(N * chunks, (cu[N] - cu[0]) * dim * K, [&](int64_t task) {
+    const int n = static_cast<int>(task / chunks), c0 = static_cast<int>(task % chunks) * kChannels;
+    const int nc = std::min(dim, c0 + kChannels) - c0, taps = K - 1;
+    thread_local std::vector<float> buf, ones;
+    buf.resize(static_cast<size_t>(2 * K) * kChannels);  // window (K - 1), wt (K), acc (1)
+    ones.resize(kChannels, 1.f);
+    // window[j][c]: the input j + 1 steps before the next token's (oldest first); wt[j][c] = w[c0 + c][j]
+    float *window = buf.data(), *wt = window + taps * kChannels, *acc = wt + K * kChannels;
+    for (int j = 0; j < K; ++j)
+      for (int c = 0; c < nc; ++c) wt[j * kChannels + c] = bf16_to_f32(w[static_cast<int64_t>(c0 + c) * K + j]);
+    bf16* state = slots[n] >= 0 ? st.data + slots[n] * st.slot_stride : nullptr;
+    for (int j = 0; j < taps; ++j)
+      for (int c = 0; c < nc; ++c)
+        window[j * kChannels + c] =
+            state && has_initial[n] ? bf16_to_f32(state[(c0 + c) * st.dim_stride + j * st.tap_stride]) : 0.f;
+    for (int64_t t = cu[n]; t < cu[n + 1]; ++t) {
+      const bf16* xr = x + t * ldx + c0;
+      const float* wl = wt + taps * kChannels;
+      for (int c = 0; c < nc; ++c) acc[c] = bf16_to_f32(xr[c]) * wl[c];
+      for (int j = 0; j < taps; ++j)
+        for (int c = 0; c < nc; ++c) acc[c] += window[j * kChannels + c] * wt[j * kChannels + c];
+      if (bias)
+        for (int c = 0; c < nc; ++c) acc[c] += bf16_to_f32(bias[c0 + c]);
+      if (silu_act)  // the table's SwiGLU with an up projection of ones, as gdn_conv_update
+        kern.swiglu(nc, acc, ones.data(), out + t * ldo + c0);
+      else
+        for (int c = 0; c < nc; ++c) out[t * ldo + c0 + c] = f32_to_bf16(acc[c]);
+      for (int j = 0; j + 1 < taps; ++j)
+        std::copy(window + (j + 1) * kChannels, window + (j + 1) * kChannels + nc, window + j * kChannels);
+      if (taps > 0)
+        for (int c = 0; c < nc; ++c) window[(taps - 1) * kChannels + c] = bf16_to_f32(xr[c]);
+    }
+    if (state && cu[n + 1] > cu[n])  // bf16 inputs round-trip through fp32 exactly
+      for (int j = 0; j < taps; ++j)
+        for (int c = 0; c < nc; ++c)
+          state[(c0 + c) * st.dim_stride + j * st.tap_stride] = f32_to_bf16(window[j * kChannels + c]);
+  });
+}
+
 namespace {
 
 // Σ x[i] · y[i] in eight interleaved partial sums (vectorisable without reassociating a float chain).

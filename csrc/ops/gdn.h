@@ -28,6 +28,15 @@ void gdn_conv_update(int B, int dim, int K, const bf16* x, int64_t ldx, const Gd
                      const int32_t* slots, const bf16* w, const bf16* bias, bool silu, bf16* out, int64_t ldo,
                      const Kernels& kern);
 
+// Prefill conv of N sequences packed in T rows (sequence n: rows cu[n] .. cu[n + 1]; x, out [T][dim] bf16, rows
+// ldx / ldo apart): for each sequence the conv of gdn_conv_update token by token, starting from its state when
+// has_initial[n] (else from zeros), and the state left holding its last K-1 inputs (its initial state's where it
+// is shorter). slots[n] < 0: from zeros, no state written. Throws, before anything is written, if a slot is
+// >= states.slots.
+void gdn_conv_prefill(int N, const int64_t* cu, int dim, int K, const bf16* x, int64_t ldx,
+                      const GdnConvStates& states, const int32_t* slots, const uint8_t* has_initial, const bf16* w,
+                      const bf16* bias, bool silu, bf16* out, int64_t ldo, const Kernels& kern);
+
 // Recurrent states [slots][Hv][Dk][Dv] fp32, read as S[k][v]; strides in elements.
 struct GdnStates {
   float* data;

@@ -14,7 +14,7 @@ import torch
 
 from kt_serve import _kernel
 
-__all__ = ["conv_update", "recurrent_step", "scan"]
+__all__ = ["conv_prefill", "conv_update", "recurrent_step", "scan"]
 
 BF16 = torch.bfloat16
 
@@ -45,6 +45,38 @@ def conv_update(x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor
         _kernel.gdn_conv_update(batch, dim, width, x.data_ptr(), x.stride(0), conv_states.data_ptr(),
                                 conv_states.shape[0], s0, s1, s2, idx.data_ptr(), w.data_ptr(),
                                 0 if bias is None else bias.data_ptr(), bool(silu), out.data_ptr(), dim, "auto")
+    return out
+
+
+def conv_prefill(rows: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                 silu: bool, cu_seqlens: torch.Tensor, indices: Optional[torch.Tensor],
+                 has_initial: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Sequences packed in rows [tokens, dim] bf16 (rows contiguous); conv_states [slots, dim, K-1] bf16 (any
+    strides); weight [dim, (1,) K] bf16; indices: each sequence's state slot (negative: padding) or None for sequence i
+    -> slot i; has_initial: whether each starts from its state (None: none does). Returns the [tokens, dim] output."""
+    if rows.dim() != 2 or rows.dtype != BF16 or conv_states.dtype != BF16 or weight.dtype != BF16 \
+            or rows.stride(1) != 1:
+        return None
+    if bias is not None and (bias.dtype != BF16 or not bias.is_contiguous()):
+        return None
+    total, dim = rows.shape
+    width = weight.shape[-1]
+    if conv_states.dim() != 3 or conv_states.shape[1] != dim or conv_states.shape[2] != width - 1:
+        return None
+    w = weight.reshape(dim, width)
+    if not w.is_contiguous():
+        return None
+    cu = cu_seqlens.to(torch.int64).contiguous()
+    n = cu.numel() - 1
+    idx = _slots(indices if indices is not None else torch.arange(n))
+    init = (has_initial if has_initial is not None else torch.zeros(n)).to(torch.uint8).contiguous()
+    out = torch.empty(total, dim, dtype=BF16)
+    if n:
+        s0, s1, s2 = conv_states.stride()
+        _kernel.gdn_conv_prefill(n, cu.data_ptr(), dim, width, rows.data_ptr(), rows.stride(0),
+                                 conv_states.data_ptr(), conv_states.shape[0], s0, s1, s2, idx.data_ptr(),
+                                 init.data_ptr(), w.data_ptr(), 0 if bias is None else bias.data_ptr(), bool(silu),
+                                 out.data_ptr(), dim, "auto")
     return out
 
 
