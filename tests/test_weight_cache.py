@@ -275,6 +275,32 @@ def test_a_cache_that_cannot_be_written_is_left_aside_and_deleted_models_are_pru
     assert [json.loads(p.read_text())["model_path"] for p in root.glob("*/source.json")] == [str(model.resolve())]
 
 
+def test_checkpoints_deleted_with_their_parents_are_pruned_unmounted_ones_kept(tmp_path):
+    """A benchmark's checkpoint in a throwaway directory deleted whole (its parent gone too) is pruned; one on a
+    drive that is unmounted (the nearest directory that is left is on another device) is kept."""
+    from kt_serve.harness.tiny_model import build_tiny_moe
+
+    fields = dict(weight_format="int4", group_size=128, shard=(0, 1), shape=(8, 128, 64))
+    root = tmp_path / "cache"
+    throwaway = build_tiny_moe(tmp_path / "run" / "models" / "m", "qwen3_moe", num_layers=2)
+    mounted = build_tiny_moe(tmp_path / "drive" / "models" / "m", "qwen3_moe", num_layers=2)
+    for model in (throwaway, mounted):
+        weight_cache.layer_file(root, str(model), 0, fields)
+    made = {json.loads(p.read_text())["model_path"]: p for p in root.glob("*/source.json")}
+    assert set(made) == {str(throwaway.resolve()), str(mounted.resolve())}
+    source = json.loads(made[str(mounted.resolve())].read_text())
+    source["device"] += 1  # as recorded on the drive, not the filesystem its mount point is on
+    made[str(mounted.resolve())].write_text(json.dumps(source))
+    import shutil
+
+    shutil.rmtree(tmp_path / "run")
+    shutil.rmtree(tmp_path / "drive" / "models")  # what an unmounted drive's mount point looks like
+    weight_cache._model_dirs.clear()  # a new process
+    weight_cache.layer_file(root, str(build_tiny_moe(tmp_path / "other", "qwen3_moe", num_layers=2)), 0, fields)
+    kept = {json.loads(p.read_text())["model_path"] for p in root.glob("*/source.json")}
+    assert str(throwaway.resolve()) not in kept and str(mounted.resolve()) in kept
+
+
 def test_a_checkpoint_with_a_dtype_the_reader_lacks_goes_to_sglangs_reader_saying_so(tmp_path, caplog):
     pytest.importorskip("sglang")
     import struct

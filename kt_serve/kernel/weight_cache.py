@@ -269,25 +269,41 @@ def layer_file(root: Path, model_dir: str, layer_id: int, key_fields: dict):
 _model_dirs: dict = {}  # (root, checkpoint) -> its directory in the cache, or None where it cannot be made
 
 
+def _deleted(source: dict) -> bool:
+    """Whether the checkpoint a cache directory was made for is deleted, not merely out of reach: its directory is
+    gone and the filesystem it was on is still mounted, i.e. the nearest directory above it that exists is on the
+    device the checkpoint was on (an unmounted drive leaves its mount point, on another device). Without the device
+    (directories made before it was recorded), only a checkpoint whose parent directory is still there."""
+    path = Path(source["model_path"])
+    if path.is_dir():
+        return False
+    if "device" not in source:
+        return path.parent.is_dir()
+    above = path.parent
+    while not above.is_dir() and above != above.parent:
+        above = above.parent
+    return os.stat(above).st_dev == source["device"]
+
+
 def _model_cache_dir(root: Path, model_dir: str) -> Path | None:
     """One directory per checkpoint path. The first time a process uses ``root``, the directories of deleted
-    checkpoints are removed (a cache must not grow without bound as models come and go): those whose checkpoint
-    directory is gone while its parent is still there (so an unmounted drive does not count as deleted)."""
+    checkpoints are removed (a cache must not grow without bound as models come and go; see _deleted)."""
     if (root, model_dir) in _model_dirs:
         return _model_dirs[root, model_dir]
     if not any(r == root for r, _ in _model_dirs):
         for entry in root.glob("*/source.json") if root.is_dir() else ():
             try:
-                path = Path(json.loads(entry.read_text())["model_path"])
+                deleted = _deleted(json.loads(entry.read_text()))
             except (OSError, ValueError, KeyError, TypeError):
                 continue
-            if not path.is_dir() and path.parent.is_dir():
+            if deleted:
                 shutil.rmtree(entry.parent, ignore_errors=True)
     where = root / f"{Path(model_dir).name}-{hashlib.sha256(model_dir.encode()).hexdigest()[:16]}"
     try:
         where.mkdir(parents=True, exist_ok=True)
         if not (where / "source.json").exists():
-            (where / "source.json").write_text(json.dumps({"model_path": model_dir}) + "\n")
+            source = {"model_path": model_dir, "device": os.stat(model_dir).st_dev}
+            (where / "source.json").write_text(json.dumps(source) + "\n")
     except OSError as exc:
         logger.warning("kt_serve: packed-weight cache %s cannot be written (%s): experts are packed from the "
                        "checkpoint at every start", root, exc)
