@@ -294,7 +294,7 @@ void gdn_scan(int N, const int64_t* cu, int Hk, int Hv, int Dk, int Dv, const Gd
         bf16* orow = out + (cu[n] + w0 + j) * ldo + static_cast<int64_t>(h) * Dv + c0;
         for (int c = 0; c < nc; ++c) orow[c] = f32_to_bf16(o[j * C + c]);
       }
-      if (w0 + w < len || (w0 > 0 && w == 0)) return;  // more rounds to come
+      if (w0 + w < len) return;  // more rounds to come
       if (pool && len > 0)
         for (int i = 0; i < Dk; ++i) copy_columns(nc, S + i * C, 1, pool + i * ks + c0 * vs, vs);
       if (final) {

@@ -107,9 +107,8 @@ def causal_conv1d_fwd_cpu(x, weight, bias, conv_states, query_start_loc, cache_i
         raise ValueError(f"causal_conv1d_fwd_cpu: varlen x must be [dim, tokens], got {tuple(x.shape)}")
     dim, total = x.shape
     if USE_KERNEL and conv_states is not None:
-        out = gdn.conv_prefill(x.t(), conv_states, weight, bias, silu_activation, query_start_loc,
-                               None if cache_indices is None else cache_indices.masked_fill(cache_indices == pad_slot_id,
-                                                                                            -1),
+        slots = None if cache_indices is None else cache_indices.masked_fill(cache_indices == pad_slot_id, -1)
+        out = gdn.conv_prefill(x.t(), conv_states, weight, bias, silu_activation, query_start_loc, slots,
                                has_initial_state)
         if out is not None:
             return out.t()
