@@ -533,3 +533,23 @@ def test_prefill_takes_the_kernel_for_sglang_inputs(monkeypatch):
     q, k, v, a, b, A_log, dt_bias = _gdn_inputs(9)
     _prefill(q, k, v, a, b, A_log, dt_bias, torch.zeros(3, HV, DK, DV), [0, 4, 9], [2, PAD])
     assert taken == [("conv_prefill", True), ("scan", True)]
+
+
+def test_prefill_with_bad_sequence_offsets_is_refused_with_nothing_written():
+    """cu_seqlens past the tokens, falling, or a slot list of the wrong length: a one-line error before the C++ scan or
+    conv reads past its inputs or writes a state."""
+    q, k, v, a, b, A_log, dt_bias = _gdn_inputs(6)
+    g, beta = OPS.fused_gdn_gating_cpu(A_log, a, b, dt_bias)
+    pool = torch.randn(3, HV, DK, DV)
+    kept = pool.clone()
+    for cu, idx, match in (([0, 4, 9], [0, 1], "rise from 0 to at most the 6 tokens"),
+                           ([0, 4, 2], [0, 1], "rise from 0"), ([0, 6], [0, 1], "2 values for 1 sequences")):
+        with pytest.raises(ValueError, match=match):
+            gdn.scan(q, k, v, g, beta, pool, torch.tensor(idx, dtype=torch.int32), torch.tensor(cu), True, 1e-6)
+    assert torch.equal(pool, kept)
+    weight, bias, states = _conv_setup()
+    before = states.clone()
+    with pytest.raises(ValueError, match="conv prefill: cu_seqlens must rise from 0 to at most the 6 tokens"):
+        gdn.conv_prefill(torch.randn(6, weight.shape[0], dtype=BF), states, weight, bias, True,
+                         torch.tensor([0, 7]), torch.tensor([1], dtype=torch.int32), torch.tensor([True]))
+    assert torch.equal(states, before)

@@ -1,8 +1,8 @@
-"""Gated DeltaNet in C++ (``kt_serve._kernel.gdn_conv_update`` / ``gdn_recurrent_step`` / ``gdn_scan``;
-csrc/ops/gdn.h): the causal conv1d of one new token per request, the recurrent gated delta-rule step, and the delta
-rule over whole prompts (prefill), states updated in place in SGLang's mamba pools. :mod:`kt_serve.sglang_plugin.models.qwen35_gdn` calls these for the inputs they take (bf16
-activations, fp32 recurrent states, padding slots negative) and keeps its torch formulas, the readable reference, for
-the rest.
+"""Gated DeltaNet in C++ (``kt_serve._kernel.gdn_conv_update`` / ``gdn_recurrent_step`` / ``gdn_conv_prefill`` /
+``gdn_scan``; csrc/ops/gdn.h): the causal conv1d and the gated delta rule, of one new token per request (decode) and
+over whole prompts (prefill), states updated in place in SGLang's mamba pools.
+:mod:`kt_serve.sglang_plugin.models.qwen35_gdn` calls these for the inputs they take (bf16 activations, fp32
+recurrent states, padding slots negative) and keeps its torch formulas, the readable reference, for the rest.
 Each function returns None when the inputs are outside what the kernel takes.
 """
 
@@ -48,6 +48,18 @@ def conv_update(x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor
     return out
 
 
+def _sequences(cu_seqlens: torch.Tensor, total: int, per_sequence: dict, what: str) -> torch.Tensor:
+    """cu_seqlens as int64 (checked: N + 1 offsets rising from 0 to at most ``total``); per_sequence: tensors that must
+    hold one value per sequence (None: absent)."""
+    cu = cu_seqlens.to(torch.int64).contiguous()
+    if cu.dim() != 1 or cu.numel() < 1 or int(cu[0]) != 0 or int(cu[-1]) > total or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"{what}: cu_seqlens must rise from 0 to at most the {total} tokens, got {cu.tolist()}")
+    for name, t in per_sequence.items():
+        if t is not None and t.numel() != cu.numel() - 1:
+            raise ValueError(f"{what}: {name} holds {t.numel()} values for {cu.numel() - 1} sequences")
+    return cu
+
+
 def conv_prefill(rows: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  silu: bool, cu_seqlens: torch.Tensor, indices: Optional[torch.Tensor],
                  has_initial: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -66,7 +78,7 @@ def conv_prefill(rows: torch.Tensor, conv_states: torch.Tensor, weight: torch.Te
     w = weight.reshape(dim, width)
     if not w.is_contiguous():
         return None
-    cu = cu_seqlens.to(torch.int64).contiguous()
+    cu = _sequences(cu_seqlens, total, {"cache_indices": indices, "has_initial_state": has_initial}, "conv prefill")
     n = cu.numel() - 1
     idx = _slots(indices if indices is not None else torch.arange(n))
     init = (has_initial if has_initial is not None else torch.zeros(n)).to(torch.uint8).contiguous()
@@ -131,7 +143,7 @@ def scan(query, key, value, g, beta, states: torch.Tensor, indices: Optional[tor
     if g.dtype != torch.float32 or beta.dtype not in (BF16, torch.float32) \
             or any(t.shape != (1, total, hv) or t.stride(2) != 1 for t in (g, beta)):
         return None
-    cu = cu_seqlens.to(torch.int64).contiguous()
+    cu = _sequences(cu_seqlens, total, {"initial_state_indices": indices}, "gated delta rule prefill")
     n = cu.numel() - 1
     if indices is None:  # the states are the sequences' own: scan copies, leave them as given
         if states.shape[0] != n:
