@@ -23,21 +23,29 @@ def _slots(indices: torch.Tensor) -> torch.Tensor:
     return indices.to(torch.int32).contiguous()
 
 
+def _conv_weight(rows: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor,
+                 bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The conv weight as [dim, K] when the ops take these inputs (bf16 rows [n, dim] with contiguous values, bf16
+    conv states [slots, dim, K-1], a contiguous bf16 bias or none), else None."""
+    if rows.dim() != 2 or rows.dtype != BF16 or rows.stride(1) != 1 or conv_states.dtype != BF16 \
+            or weight.dtype != BF16 or (bias is not None and (bias.dtype != BF16 or not bias.is_contiguous())):
+        return None
+    dim, width = rows.shape[1], weight.shape[-1]
+    if conv_states.dim() != 3 or conv_states.shape[1] != dim or conv_states.shape[2] != width - 1:
+        return None
+    w = weight.reshape(dim, width)
+    return w if w.is_contiguous() else None
+
+
 def conv_update(x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 silu: bool, indices: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """x [batch, dim] bf16; conv_states [slots, dim, K-1] bf16 (any strides); weight [dim, (1,) K] bf16; indices:
     each row's state slot (negative: padding) or None for row i -> slot i. Returns the [batch, dim] output."""
-    if x.dim() != 2 or x.dtype != BF16 or conv_states.dtype != BF16 or weight.dtype != BF16:
-        return None
-    if bias is not None and (bias.dtype != BF16 or not bias.is_contiguous()):
+    w = _conv_weight(x, conv_states, weight, bias)
+    if w is None:
         return None
     batch, dim = x.shape
-    width = weight.shape[-1]
-    if conv_states.dim() != 3 or conv_states.shape[1] != dim or conv_states.shape[2] != width - 1:
-        return None
-    w = weight.reshape(dim, width)
-    if not w.is_contiguous() or x.stride(1) != 1:
-        return None
+    width = w.shape[1]
     idx = _slots(indices if indices is not None else torch.arange(batch))
     out = torch.empty(batch, dim, dtype=BF16)
     if batch:
@@ -66,18 +74,11 @@ def conv_prefill(rows: torch.Tensor, conv_states: torch.Tensor, weight: torch.Te
     """Sequences packed in rows [tokens, dim] bf16 (rows contiguous); conv_states [slots, dim, K-1] bf16 (any
     strides); weight [dim, (1,) K] bf16; indices: each sequence's state slot (negative: padding) or None for sequence i
     -> slot i; has_initial: whether each starts from its state (None: none does). Returns the [tokens, dim] output."""
-    if rows.dim() != 2 or rows.dtype != BF16 or conv_states.dtype != BF16 or weight.dtype != BF16 \
-            or rows.stride(1) != 1:
-        return None
-    if bias is not None and (bias.dtype != BF16 or not bias.is_contiguous()):
+    w = _conv_weight(rows, conv_states, weight, bias)
+    if w is None:
         return None
     total, dim = rows.shape
-    width = weight.shape[-1]
-    if conv_states.dim() != 3 or conv_states.shape[1] != dim or conv_states.shape[2] != width - 1:
-        return None
-    w = weight.reshape(dim, width)
-    if not w.is_contiguous():
-        return None
+    width = w.shape[1]
     cu = _sequences(cu_seqlens, total, {"cache_indices": indices, "has_initial_state": has_initial}, "conv prefill")
     n = cu.numel() - 1
     idx = _slots(indices if indices is not None else torch.arange(n))

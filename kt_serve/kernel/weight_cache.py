@@ -303,7 +303,8 @@ def _model_cache_dir(root: Path, model_dir: str) -> Path | None:
         where.mkdir(parents=True, exist_ok=True)
         if not (where / "source.json").exists():
             source = {"model_path": model_dir, "device": os.stat(model_dir).st_dev}
-            (where / "source.json").write_text(json.dumps(source) + "\n")
+            (where / "source.json.tmp").write_text(json.dumps(source) + "\n")  # renamed whole: never half-written
+            os.replace(where / "source.json.tmp", where / "source.json")
     except OSError as exc:
         logger.warning("kt_serve: packed-weight cache %s cannot be written (%s): experts are packed from the "
                        "checkpoint at every start", root, exc)
